@@ -1,0 +1,2 @@
+//! tailwarden-bench
+fn main() {}

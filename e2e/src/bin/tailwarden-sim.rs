@@ -1,0 +1,2 @@
+//! tailwarden-sim
+fn main() {}

@@ -1,0 +1,1 @@
+//! Test and measurement tools for tailwarden: provider simulator and load generator.

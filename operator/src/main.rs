@@ -1,0 +1,2 @@
+//! tailwarden-operator binary.
+fn main() {}

@@ -1,0 +1,1 @@
+//! tailwarden sidecar library: the data plane.

@@ -1,0 +1,2 @@
+//! tailwarden-sidecar binary.
+fn main() {}
