@@ -1,0 +1,1 @@
+//! `tailwarden-bench`: open-loop load generator (placeholder while the simulator lands).

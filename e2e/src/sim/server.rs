@@ -1,0 +1,812 @@
+//! The simulator's HTTP server: routing, request parsing, fault injection and timing.
+//!
+//! One hyper connection task per TCP connection, HTTP/1.1 and h2c via the hyper-util auto
+//! builder. Every API request gets its own RNG seeded from `--seed` and an atomic request
+//! number, so a run with the same seed and the same request order injects the same faults
+//! and latencies no matter which worker thread serves which request.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderMap, RETRY_AFTER};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::body::{Gaps, SimBody, StreamPlan, ms};
+use super::profile::{BrownoutEffect, CompiledProfile, Fault, Profile, ProfileError};
+use super::render::{
+    self, Api, StreamRenderer, Usage, completion_json, embeddings_json, error_json, json_string,
+};
+use super::stats::{Endpoint, Outcome, RequestGuard, Stats, StatsSnapshot};
+
+/// Largest request body accepted (the sidecar's default limit is 16 MiB).
+const MAX_BODY: usize = 32 * 1024 * 1024;
+
+/// Largest output a single request may ask for via `x-sim-tokens`.
+const MAX_TOKENS: u64 = 1_000_000;
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The profile is unusable.
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address asked for.
+        addr: SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// Returned by the service to make hyper close the connection without a response (the
+/// `reset` fault); for HTTP/2 it becomes a stream reset.
+#[derive(Debug, thiserror::Error)]
+#[error("injected connection reset")]
+pub struct ResetConnection;
+
+/// Shared state of one simulator process.
+#[derive(Debug)]
+struct SimState {
+    profile: CompiledProfile,
+    seed: u64,
+    counter: AtomicU64,
+    stats: Arc<Stats>,
+    started: Instant,
+    models_body: Bytes,
+}
+
+impl SimState {
+    fn brownout(&self) -> BrownoutEffect {
+        if self.profile.has_brownouts() {
+            self.profile.brownout_at(self.started.elapsed())
+        } else {
+            BrownoutEffect {
+                latency_multiplier: 1.0,
+                error_percent: 0.0,
+                active: false,
+            }
+        }
+    }
+
+    fn snapshot(&self) -> StatsSnapshot {
+        self.stats.snapshot(self.brownout().active)
+    }
+}
+
+/// A bound, not yet running simulator.
+#[derive(Debug)]
+pub struct SimServer {
+    listener: TcpListener,
+    state: Arc<SimState>,
+}
+
+/// A simulator running on the current tokio runtime; dropping it stops accepting.
+#[derive(Debug)]
+pub struct SimHandle {
+    addr: SocketAddr,
+    state: Arc<SimState>,
+    task: JoinHandle<()>,
+}
+
+impl SimHandle {
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Base URL for OpenAI clients, e.g. `http://127.0.0.1:40123/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.state.snapshot()
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl SimServer {
+    /// Validates the profile and binds `addr` (port 0 picks a free port).
+    pub async fn bind(addr: SocketAddr, profile: &Profile, seed: u64) -> Result<Self, SimError> {
+        let compiled = profile.compile("profile")?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| SimError::Bind { addr, source })?;
+        let started = Instant::now();
+        let models_body = render::models_json(&compiled.models);
+        Ok(Self {
+            listener,
+            state: Arc::new(SimState {
+                profile: compiled,
+                seed,
+                counter: AtomicU64::new(0),
+                stats: Arc::new(Stats::new(started)),
+                started,
+                models_body,
+            }),
+        })
+    }
+
+    /// The bound address (the real port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        // A bound TcpListener always has a local address; fall back to unspecified rather
+        // than panic if the OS ever says otherwise.
+        self.listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+
+    /// Serves forever.
+    pub async fn run(self) {
+        serve(self.listener, self.state).await;
+    }
+
+    /// Serves on a background task of the current runtime.
+    pub fn spawn(self) -> SimHandle {
+        let addr = self.local_addr();
+        let state = self.state.clone();
+        let task = tokio::spawn(serve(self.listener, self.state));
+        SimHandle { addr, state, task }
+    }
+}
+
+async fn serve(listener: TcpListener, state: Arc<SimState>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(_) => {
+                // Typically EMFILE under an overload test; back off instead of spinning.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| handle(state.clone(), req));
+            // Errors here are client disconnects and injected faults; nothing to report.
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<SimBody> {
+    let mut resp = Response::new(SimBody::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn error_response(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    code: Option<&str>,
+) -> Response<SimBody> {
+    json_response(status, error_json(message, kind, None, code))
+}
+
+async fn handle(
+    state: Arc<SimState>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ResetConnection> {
+    let method = req.method().clone();
+    let endpoint = match req.uri().path() {
+        "/v1/chat/completions" => Endpoint::ChatCompletions,
+        "/v1/completions" => Endpoint::Completions,
+        "/v1/embeddings" => Endpoint::Embeddings,
+        "/v1/models" => Endpoint::Models,
+        "/healthz" => Endpoint::Healthz,
+        "/sim/stats" if method == Method::GET => {
+            let body = serde_json::to_vec(&state.snapshot()).unwrap_or_default();
+            return Ok(json_response(StatusCode::OK, Bytes::from(body)));
+        }
+        "/sim/reset" if method == Method::POST => {
+            state.stats.reset();
+            return Ok(json_response(StatusCode::OK, Bytes::from_static(b"{}")));
+        }
+        _ => Endpoint::Other,
+    };
+    state
+        .stats
+        .record_request(endpoint, req.headers().get(AUTHORIZATION));
+    let wanted = match endpoint {
+        Endpoint::Models | Endpoint::Healthz => Method::GET,
+        _ => Method::POST,
+    };
+    if endpoint == Endpoint::Other {
+        state.stats.record_outcome(Outcome::NotFound);
+        let msg = format!("Invalid URL ({} {})", method, req.uri().path());
+        return Ok(error_response(
+            StatusCode::NOT_FOUND,
+            &msg,
+            "invalid_request_error",
+            None,
+        ));
+    }
+    if method != wanted {
+        state.stats.record_outcome(Outcome::NotFound);
+        let msg = format!("Method {} not allowed for {}", method, req.uri().path());
+        return Ok(error_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &msg,
+            "invalid_request_error",
+            None,
+        ));
+    }
+    match endpoint {
+        Endpoint::Healthz => {
+            state.stats.record_outcome(Outcome::Ok);
+            let mut resp = Response::new(SimBody::full(Bytes::from_static(b"ok\n")));
+            resp.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            Ok(resp)
+        }
+        Endpoint::Models => {
+            state.stats.record_outcome(Outcome::Ok);
+            Ok(json_response(StatusCode::OK, state.models_body.clone()))
+        }
+        Endpoint::ChatCompletions => generate(&state, req, Api::Chat).await,
+        Endpoint::Completions => generate(&state, req, Api::Completion).await,
+        Endpoint::Embeddings => embeddings(&state, req).await,
+        Endpoint::Other => Ok(Response::new(SimBody::empty())),
+    }
+}
+
+/// Per-request overrides from `x-sim-*` headers.
+#[derive(Debug, Default)]
+struct Overrides {
+    fault: Option<Fault>,
+    ttft_ms: Option<u64>,
+    itl_ms: Option<u64>,
+    tokens: Option<u64>,
+    retry_after: Option<u64>,
+}
+
+impl Overrides {
+    fn from_headers(h: &HeaderMap) -> Result<Self, String> {
+        fn num(h: &HeaderMap, name: &str) -> Result<Option<u64>, String> {
+            match h.get(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u64>().ok())
+                    .map(Some)
+                    .ok_or_else(|| {
+                        format!("invalid {name} header: expected a non-negative integer")
+                    }),
+            }
+        }
+        let fault = match h.get("x-sim-fault") {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .ok()
+                    .and_then(Fault::from_header)
+                    .ok_or_else(|| {
+                        "invalid x-sim-fault header: expected none|500|503|429|reset|drop|stall"
+                            .to_owned()
+                    })?,
+            ),
+        };
+        Ok(Self {
+            fault,
+            ttft_ms: num(h, "x-sim-ttft-ms")?,
+            itl_ms: num(h, "x-sim-itl-ms")?,
+            tokens: num(h, "x-sim-tokens")?.map(|t| t.clamp(1, MAX_TOKENS)),
+            retry_after: num(h, "x-sim-retry-after")?,
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    content: Option<serde_json::Value>,
+}
+
+/// The fields of a chat or legacy completion request the simulator looks at.
+#[derive(Debug, Deserialize)]
+struct GenRequest {
+    model: String,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct EmbeddingRequest {
+    model: String,
+    input: serde_json::Value,
+    #[serde(default)]
+    dimensions: Option<usize>,
+}
+
+/// Characters of text in a message `content` or a `prompt`/`input` value.
+fn text_chars(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::String(s) => s.chars().count(),
+        serde_json::Value::Array(items) => items.iter().map(text_chars).sum(),
+        // Content parts: {"type":"text","text":"..."}; token arrays count 4 chars per token.
+        serde_json::Value::Object(o) => o.get("text").map_or(0, text_chars),
+        serde_json::Value::Number(_) => 4,
+        _ => 0,
+    }
+}
+
+/// The prompt-token estimate the brief fixes: characters / 4, at least 1.
+fn estimate_tokens(chars: usize) -> u64 {
+    (chars as u64).div_ceil(4).max(1)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Mixes the seed and request number into a well-spread RNG seed (splitmix64 finaliser).
+fn request_seed(seed: u64, n: u64) -> u64 {
+    let mut z = seed ^ n.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Reads the request body; `Err(None)` means the client went away mid-body.
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Option<Response<SimBody>>> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Some(error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "Request body too large",
+            "invalid_request_error",
+            None,
+        ))),
+        Err(_) => Err(None),
+    }
+}
+
+fn bad_json(e: &serde_json::Error) -> Response<SimBody> {
+    let msg = format!("We could not parse the JSON body of your request: {e}");
+    error_response(StatusCode::BAD_REQUEST, &msg, "invalid_request_error", None)
+}
+
+/// Answers a fault that ends the request before any body; `None` for faults that need one.
+fn fault_response(
+    state: &SimState,
+    fault: Fault,
+    ov: &Overrides,
+    guard: &mut RequestGuard,
+) -> Option<Result<Response<SimBody>, ResetConnection>> {
+    match fault {
+        Fault::Status500 => {
+            guard.finish(Some(Outcome::Fault500));
+            Some(Ok(error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "The server had an error while processing your request. Sorry about that!",
+                "server_error",
+                None,
+            )))
+        }
+        Fault::Status503 => {
+            guard.finish(Some(Outcome::Fault503));
+            Some(Ok(error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The engine is currently overloaded, please try again later.",
+                "server_error",
+                None,
+            )))
+        }
+        Fault::RateLimited => {
+            guard.finish(Some(Outcome::Fault429));
+            let secs = ov.retry_after.unwrap_or(state.profile.retry_after_seconds);
+            let mut resp = error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "Rate limit reached for requests. Please try again later.",
+                "requests",
+                Some("rate_limit_exceeded"),
+            );
+            resp.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
+            Some(Ok(resp))
+        }
+        Fault::Reset => {
+            guard.finish(Some(Outcome::FaultReset));
+            Some(Err(ResetConnection))
+        }
+        Fault::None | Fault::Drop | Fault::Stall => None,
+    }
+}
+
+/// A response that sends headers and then nothing (the `stall` fault).
+fn stall_response(
+    content_type: &'static str,
+    renderer: StreamRenderer,
+    guard: RequestGuard,
+) -> Response<SimBody> {
+    let plan = StreamPlan {
+        renderer,
+        tokens: 1,
+        word_offset: 0,
+        ttft: Duration::ZERO,
+        gaps: Gaps::Zero,
+        drop_after: None,
+        stall: true,
+        finish_reason: "stop",
+        usage: Usage {
+            prompt: 0,
+            completion: 0,
+        },
+    };
+    let mut resp = Response::new(SimBody::stream(plan, guard));
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
+
+async fn generate(
+    state: &SimState,
+    req: Request<Incoming>,
+    api: Api,
+) -> Result<Response<SimBody>, ResetConnection> {
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let mut rng = SmallRng::seed_from_u64(request_seed(state.seed, n));
+    let mut guard = RequestGuard::new(state.stats.clone());
+    let ov = match Overrides::from_headers(req.headers()) {
+        Ok(o) => o,
+        Err(msg) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(error_response(
+                StatusCode::BAD_REQUEST,
+                &msg,
+                "invalid_request_error",
+                None,
+            ));
+        }
+    };
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(Some(resp)) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(resp);
+        }
+        // Client vanished while sending: the guard counts it as cancelled.
+        Err(None) => return Err(ResetConnection),
+    };
+    let parsed: GenRequest = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(bad_json(&e));
+        }
+    };
+    let prompt_chars = match api {
+        Api::Chat => match &parsed.messages {
+            Some(m) => m
+                .iter()
+                .map(|m| m.content.as_ref().map_or(0, text_chars))
+                .sum(),
+            None => {
+                guard.finish(Some(Outcome::BadRequest));
+                return Ok(error_response(
+                    StatusCode::BAD_REQUEST,
+                    "Missing required parameter: 'messages'.",
+                    "invalid_request_error",
+                    Some("missing_required_parameter"),
+                ));
+            }
+        },
+        Api::Completion => match &parsed.prompt {
+            Some(p) => text_chars(p),
+            None => {
+                guard.finish(Some(Outcome::BadRequest));
+                return Ok(error_response(
+                    StatusCode::BAD_REQUEST,
+                    "Missing required parameter: 'prompt'.",
+                    "invalid_request_error",
+                    Some("missing_required_parameter"),
+                ));
+            }
+        },
+    };
+
+    let brownout = state.brownout();
+    let profile = &state.profile;
+    let drawn = profile.pick_fault(&mut rng, &brownout);
+    let fault = ov.fault.unwrap_or(drawn);
+    if let Some(resp) = fault_response(state, fault, &ov, &mut guard) {
+        return resp;
+    }
+
+    let sampled = profile.tokens.sample(&mut rng).round().max(1.0) as u64;
+    let wanted = ov.tokens.unwrap_or(sampled);
+    let cap = parsed
+        .max_completion_tokens
+        .or(parsed.max_tokens)
+        .map(|c| c.max(1));
+    let (tokens, finish_reason) = match cap {
+        Some(c) if wanted > c => (c, "length"),
+        _ => (wanted, "stop"),
+    };
+    let tokens = usize::try_from(tokens).unwrap_or(usize::MAX);
+    let mult = brownout.latency_multiplier;
+    let ttft = match ov.ttft_ms {
+        Some(v) => Duration::from_millis(v),
+        None if profile.ttft.is_zero() => Duration::ZERO,
+        None => ms(profile.ttft.sample(&mut rng) * mult),
+    };
+    let mut gaps = match ov.itl_ms {
+        Some(0) => Gaps::Zero,
+        Some(v) => Gaps::Fixed(Duration::from_millis(v)),
+        None if profile.itl.is_zero() => Gaps::Zero,
+        None => Gaps::Sampled {
+            sampler: profile.itl.clone(),
+            rng: Box::new(SmallRng::seed_from_u64(rng.random())),
+            multiplier: mult,
+        },
+    };
+    let word_offset = rng.random_range(0..render::WORDS.len());
+    let usage = Usage {
+        prompt: estimate_tokens(prompt_chars),
+        completion: tokens as u64,
+    };
+    let id = match api {
+        Api::Chat => format!("chatcmpl-sim{n:012x}"),
+        Api::Completion => format!("cmpl-sim{n:012x}"),
+    };
+    let created = unix_now();
+    let model_json = json_string(&parsed.model);
+    let stream = parsed.stream.unwrap_or(false);
+
+    if stream {
+        let include_usage = parsed
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let renderer = StreamRenderer::new(api, &id, created, &model_json, include_usage);
+        if fault == Fault::Stall {
+            state.stats.record_outcome(Outcome::FaultStall);
+            return Ok(stall_response("text/event-stream", renderer, guard));
+        }
+        let drop_after = (fault == Fault::Drop).then(|| {
+            state.stats.record_outcome(Outcome::FaultDrop);
+            if tokens >= 2 {
+                rng.random_range(1..tokens)
+            } else {
+                1
+            }
+        });
+        let plan = StreamPlan {
+            renderer,
+            tokens,
+            word_offset,
+            ttft,
+            gaps,
+            drop_after,
+            stall: false,
+            finish_reason,
+            usage,
+        };
+        let mut resp = Response::new(SimBody::stream(plan, guard));
+        let h = resp.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(resp);
+    }
+
+    if fault == Fault::Stall {
+        state.stats.record_outcome(Outcome::FaultStall);
+        let renderer = StreamRenderer::new(api, &id, created, &model_json, false);
+        return Ok(stall_response("application/json", renderer, guard));
+    }
+    // A non-streamed answer arrives when the last token would have been generated.
+    let mut total = ttft;
+    if !matches!(gaps, Gaps::Zero) {
+        for _ in 1..tokens {
+            total += gaps.next_gap();
+        }
+    }
+    if !total.is_zero() {
+        // If the client leaves during this sleep hyper drops this future, and with it the
+        // guard, which records the cancellation.
+        tokio::time::sleep(total).await;
+    }
+    let meta = render::Meta {
+        api,
+        id: &id,
+        created,
+        model_json: &model_json,
+    };
+    let body = completion_json(meta, word_offset, tokens, finish_reason, usage);
+    if fault == Fault::Drop {
+        state.stats.record_outcome(Outcome::FaultDrop);
+        guard.finish(None);
+        let half = body.slice(..body.len() / 2);
+        let mut resp = Response::new(SimBody::cut(half));
+        resp.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        return Ok(resp);
+    }
+    guard.finish(Some(Outcome::Ok));
+    Ok(json_response(StatusCode::OK, body))
+}
+
+/// Deterministic unit vector for `text`: same text, same seed, same vector.
+fn embed(text: &str, seed: u64, dims: usize) -> Vec<f32> {
+    // FNV-1a so the vector depends on the content only, not on request order.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut rng = SmallRng::seed_from_u64(request_seed(seed, h));
+    let mut v: Vec<f32> = (0..dims).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+    v
+}
+
+async fn embeddings(
+    state: &SimState,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ResetConnection> {
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let mut rng = SmallRng::seed_from_u64(request_seed(state.seed, n));
+    let mut guard = RequestGuard::new(state.stats.clone());
+    let ov = match Overrides::from_headers(req.headers()) {
+        Ok(o) => o,
+        Err(msg) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(error_response(
+                StatusCode::BAD_REQUEST,
+                &msg,
+                "invalid_request_error",
+                None,
+            ));
+        }
+    };
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(Some(resp)) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(resp);
+        }
+        Err(None) => return Err(ResetConnection),
+    };
+    let parsed: EmbeddingRequest = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(bad_json(&e));
+        }
+    };
+    let inputs: Vec<String> = match &parsed.input {
+        serde_json::Value::String(s) => vec![s.clone()],
+        serde_json::Value::Array(items) if !items.is_empty() => {
+            items.iter().map(|i| i.to_string()).collect()
+        }
+        _ => {
+            guard.finish(Some(Outcome::BadRequest));
+            return Ok(error_response(
+                StatusCode::BAD_REQUEST,
+                "'input' must be a non-empty string or array",
+                "invalid_request_error",
+                None,
+            ));
+        }
+    };
+    let dims = parsed
+        .dimensions
+        .unwrap_or(state.profile.embedding_dims)
+        .clamp(1, 65_536);
+
+    let brownout = state.brownout();
+    let drawn = state.profile.pick_fault(&mut rng, &brownout);
+    let fault = ov.fault.unwrap_or(drawn);
+    if let Some(resp) = fault_response(state, fault, &ov, &mut guard) {
+        return resp;
+    }
+    if fault == Fault::Stall {
+        state.stats.record_outcome(Outcome::FaultStall);
+        let renderer = StreamRenderer::new(Api::Chat, "emb", 0, "\"\"", false);
+        return Ok(stall_response("application/json", renderer, guard));
+    }
+    let delay = match ov.ttft_ms {
+        Some(v) => Duration::from_millis(v),
+        None if state.profile.ttft.is_zero() => Duration::ZERO,
+        None => ms(state.profile.ttft.sample(&mut rng) * brownout.latency_multiplier),
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let vectors: Vec<Vec<f32>> = inputs.iter().map(|t| embed(t, state.seed, dims)).collect();
+    let chars = text_chars(&parsed.input);
+    let body = embeddings_json(
+        &json_string(&parsed.model),
+        &vectors,
+        estimate_tokens(chars),
+    );
+    if fault == Fault::Drop {
+        state.stats.record_outcome(Outcome::FaultDrop);
+        guard.finish(None);
+        let half = body.slice(..body.len() / 2);
+        return Ok(Response::new(SimBody::cut(half)));
+    }
+    guard.finish(Some(Outcome::Ok));
+    Ok(json_response(StatusCode::OK, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_seeds_differ_and_repeat() {
+        assert_eq!(request_seed(42, 7), request_seed(42, 7));
+        assert_ne!(request_seed(42, 7), request_seed(42, 8));
+        assert_ne!(request_seed(42, 7), request_seed(43, 7));
+    }
+
+    #[test]
+    fn prompt_estimate_is_chars_over_four() {
+        let v: serde_json::Value =
+            serde_json::json!([{"type": "text", "text": "abcdefgh"}, {"type": "image_url"}]);
+        assert_eq!(text_chars(&v), 8);
+        assert_eq!(estimate_tokens(8), 2);
+        assert_eq!(estimate_tokens(9), 3);
+        assert_eq!(estimate_tokens(0), 1);
+    }
+
+    #[test]
+    fn embeddings_are_deterministic_unit_vectors() {
+        let a = embed("hello", 42, 8);
+        assert_eq!(a, embed("hello", 42, 8));
+        assert_ne!(a, embed("world", 42, 8));
+        let norm: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4);
+    }
+}
