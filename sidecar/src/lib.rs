@@ -1,1 +1,2 @@
 //! tailwarden sidecar library: the data plane.
+pub mod sse;
