@@ -1,2 +1,3 @@
 //! tailwarden sidecar library: the data plane.
+pub mod breaker;
 pub mod sse;
