@@ -19,7 +19,8 @@ struct Args {
     #[arg(long)]
     url: String,
     /// Arrival rate in requests per second (open loop).
-    #[arg(long)]
+    // Negative numbers are accepted by the parser so they get the clear "> 0" message.
+    #[arg(long, allow_negative_numbers = true)]
     rate: Option<f64>,
     /// Measured duration, e.g. 30s, 500ms, 2m.
     #[arg(long, value_parser = parse_duration)]
