@@ -716,6 +716,15 @@ mod tests {
     }
 
     #[test]
+    fn example_profile_file_is_valid() {
+        let text = include_str!("../../profiles/example.yaml");
+        let p = Profile::from_yaml(text, "example.yaml").expect("parses");
+        p.compile("example.yaml").expect("valid");
+        assert_eq!(p.brownouts.len(), 1);
+        assert_eq!(p.stall_percent, 0.1);
+    }
+
+    #[test]
     fn unknown_field_is_named_with_its_path() {
         let err = Profile::from_yaml("ttft: {lognormal: {medianMs: 1, p99MS: 5}}\n", "bad.yaml")
             .expect_err("must fail");

@@ -129,7 +129,7 @@ impl Drop for SimHandle {
 impl SimServer {
     /// Validates the profile and binds `addr` (port 0 picks a free port).
     pub async fn bind(addr: SocketAddr, profile: &Profile, seed: u64) -> Result<Self, SimError> {
-        let compiled = profile.compile("profile")?;
+        let compiled = profile.compile("(in-memory profile)")?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| SimError::Bind { addr, source })?;
