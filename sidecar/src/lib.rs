@@ -1,3 +1,4 @@
 //! tailwarden sidecar library: the data plane.
+pub mod balance;
 pub mod breaker;
 pub mod sse;

@@ -1,0 +1,719 @@
+//! Provider choice: priority tiers, weights, peak-EWMA latency, cool-downs and SLO penalty.
+//!
+//! [`Balancer::pick`] chooses the provider for one attempt:
+//!
+//! 1. **Tier.** Take the lowest `priority` value that has at least one *available*
+//!    endpoint: weight > 0, not in `exclude` (e.g. providers already tried for this
+//!    request), not cooling down after a 429 `Retry-After`, and accepted by the caller's
+//!    `is_available` callback (the circuit breaker). Higher tiers are fallbacks only.
+//! 2. **Power of two choices.** Draw two distinct candidates from the tier by weight
+//!    (weighted random without replacement) and take the cheaper one. The second draw wins
+//!    only when the first is *meaningfully* more expensive (`cost > tie_ratio × other`);
+//!    otherwise the first — weight-drawn — candidate is kept. So with no latency data or
+//!    equal latencies the traffic split is exactly the configured weights, and latency only
+//!    moves traffic when it really differs.
+//!
+//! **Cost** (linkerd2-proxy's peak-EWMA, adapted):
+//! `cost = ewma_ttft × (1 + in_flight × mean_weight / weight) × slo_penalty`.
+//! - `ewma_ttft` is a peak-EWMA of time to first token: a sample above the estimate replaces
+//!   it at once (react to a slow provider immediately); lower samples pull it down with time
+//!   constant `decay` (10 s). With no new samples the estimate decays toward zero, as in
+//!   tower's `PeakEwma`, so a provider that was avoided gets tried again after a while.
+//!   Before the first sample `default_ttft` is used; keep it optimistic so new or
+//!   recovered providers get traffic.
+//! - The in-flight term is linkerd's `(pending + 1)` when weights are equal. It is scaled by
+//!   `mean_weight / weight` so that under concurrency a 90/10 split stays 90/10: a heavier
+//!   endpoint is *expected* to have proportionally more requests in flight, and only load
+//!   beyond its share makes it look expensive.
+//! - `slo_penalty` (≥ 1) is how badly the provider's recent P99 breaks the route's budget,
+//!   see [`BalanceSettings::ttft_budget`]. A penalised provider loses the comparison and
+//!   so loses share until its estimate recovers.
+//!
+//! Thread-safety: [`Balancer`] is `Send + Sync`. In-flight counts are atomics; the rest of
+//! each endpoint's state sits behind its own `std::sync::Mutex`, held only for O(1) reads
+//! and updates (never across an await). The random source and clock are passed in.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+/// One provider of a route, as the balancer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    /// Provider name (for metrics and logs).
+    pub name: String,
+    /// Share of traffic within its priority tier, 0–100. 0 means "never chosen".
+    pub weight: u32,
+    /// Lower tiers are tried first; higher tiers are fallbacks.
+    pub priority: u32,
+}
+
+/// Balancer tuning. `Default` gives sensible values; the proxy sets the SLO budgets from
+/// the route's `slo` block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BalanceSettings {
+    /// Peak-EWMA time constant (linkerd default: 10 s).
+    pub decay: Duration,
+    /// TTFT estimate used before an endpoint has any sample.
+    pub default_ttft: Duration,
+    /// The second P2C candidate wins only when the first costs more than `tie_ratio` times
+    /// as much (≥ 1; default 1.2). Keeps weights intact when latencies are about equal.
+    pub tie_ratio: f64,
+    /// Route TTFT budget (`slo.ttftP99`). TTFT samples above it count against the provider.
+    pub ttft_budget: Option<Duration>,
+    /// Route latency budget (`slo.latencyP99`). Total-latency samples above it count
+    /// against the provider.
+    pub latency_budget: Option<Duration>,
+    /// The quantile the budgets are for (0.99 = P99): a provider is in breach when more than
+    /// `1 - slo_quantile` of its recent samples exceed the budget.
+    pub slo_quantile: f64,
+    /// Time constant of the SLO breach estimate.
+    pub slo_decay: Duration,
+    /// The penalty applies only when the decayed sample count is at least this; with no
+    /// traffic the count decays below it, so an avoided provider is let back in to re-test.
+    pub slo_min_samples: f64,
+    /// Cap on the SLO penalty factor.
+    pub max_slo_penalty: f64,
+}
+
+impl Default for BalanceSettings {
+    fn default() -> Self {
+        Self {
+            decay: Duration::from_secs(10),
+            default_ttft: Duration::from_millis(100),
+            tie_ratio: 1.2,
+            ttft_budget: None,
+            latency_budget: None,
+            slo_quantile: 0.99,
+            slo_decay: Duration::from_secs(30),
+            slo_min_samples: 20.0,
+            max_slo_penalty: 10.0,
+        }
+    }
+}
+
+/// Decayed "over budget" share: two exponentially decayed counters. O(1) memory.
+///
+/// `over / total` approximates the fraction of recent samples above the budget; the P-q
+/// latency is above the budget exactly when that fraction exceeds `1 - q`. The penalty is
+/// `fraction / (1 - q)` when above 1 (2 % over a P99 budget → ×2), capped.
+#[derive(Debug, Clone, Copy, Default)]
+struct Breach {
+    over: f64,
+    total: f64,
+    stamp: Option<Instant>,
+}
+
+impl Breach {
+    fn record(&mut self, now: Instant, over: bool, tau: f64) {
+        let w = decay_weight(self.stamp, now, tau);
+        self.total = self.total * w + 1.0;
+        self.over = self.over * w + if over { 1.0 } else { 0.0 };
+        self.stamp = Some(latest(self.stamp, now));
+    }
+
+    fn penalty(&self, now: Instant, s: &BalanceSettings) -> f64 {
+        let w = decay_weight(self.stamp, now, s.slo_decay.as_secs_f64());
+        let total = self.total * w;
+        if total < s.slo_min_samples.max(1.0) {
+            return 1.0;
+        }
+        let allowed = (1.0 - s.slo_quantile).clamp(1e-6, 1.0);
+        let excess = (self.over * w / total) / allowed;
+        if excess.is_finite() && excess > 1.0 {
+            excess.min(s.max_slo_penalty.max(1.0))
+        } else {
+            1.0
+        }
+    }
+}
+
+/// `exp(-elapsed / tau)`; 1 when there is no previous stamp or time went backwards.
+fn decay_weight(stamp: Option<Instant>, now: Instant, tau: f64) -> f64 {
+    match stamp {
+        Some(t) if tau > 0.0 => (-now.saturating_duration_since(t).as_secs_f64() / tau).exp(),
+        Some(_) => 0.0,
+        None => 1.0,
+    }
+}
+
+/// Callers may take `now` before a lock another thread updated later; never move a stamp
+/// backwards.
+fn latest(stamp: Option<Instant>, now: Instant) -> Instant {
+    stamp.map_or(now, |t| t.max(now))
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    /// Peak-EWMA of TTFT in seconds, as of `stamp`.
+    ewma: f64,
+    stamp: Option<Instant>,
+    cooldown_until: Option<Instant>,
+    ttft_slo: Breach,
+    latency_slo: Breach,
+}
+
+impl Stats {
+    fn ewma_at(&self, now: Instant, s: &BalanceSettings) -> f64 {
+        match self.stamp {
+            None => s.default_ttft.as_secs_f64(),
+            Some(_) => self.ewma * decay_weight(self.stamp, now, s.decay.as_secs_f64()),
+        }
+    }
+
+    fn penalty(&self, now: Instant, s: &BalanceSettings) -> f64 {
+        self.ttft_slo
+            .penalty(now, s)
+            .max(self.latency_slo.penalty(now, s))
+    }
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    spec: EndpointSpec,
+    in_flight: Arc<AtomicU32>,
+    stats: Mutex<Stats>,
+}
+
+impl Endpoint {
+    fn stats(&self) -> MutexGuard<'_, Stats> {
+        // A panic while holding this lock cannot leave the plain numbers inconsistent in a
+        // harmful way; keep balancing rather than propagate the poison.
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Marks one request in flight to an endpoint until dropped. `'static` and `Send`, so it
+/// can live in the response body of a spawned task.
+#[derive(Debug)]
+#[must_use = "the request counts as in flight only while the guard is alive"]
+pub struct InFlightGuard {
+    counter: Arc<AtomicU32>,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Per-route provider chooser. See the module docs.
+#[derive(Debug)]
+pub struct Balancer {
+    settings: BalanceSettings,
+    endpoints: Vec<Endpoint>,
+    /// Endpoint indices grouped by ascending priority (stable within a tier).
+    tiers: Vec<Vec<usize>>,
+}
+
+impl Balancer {
+    /// Build a balancer. Indices used by every other method are positions in `endpoints`.
+    pub fn new(endpoints: Vec<EndpointSpec>, settings: BalanceSettings) -> Self {
+        let mut settings = settings;
+        if !(settings.tie_ratio.is_finite() && settings.tie_ratio >= 1.0) {
+            settings.tie_ratio = 1.0;
+        }
+        let mut order: Vec<usize> = (0..endpoints.len()).collect();
+        order.sort_by_key(|&i| endpoints.get(i).map_or(u32::MAX, |e| e.priority));
+        let mut tiers: Vec<Vec<usize>> = Vec::new();
+        let mut last_priority = None;
+        for i in order {
+            let p = endpoints.get(i).map(|e| e.priority);
+            match tiers.last_mut() {
+                Some(tier) if p == last_priority => tier.push(i),
+                _ => tiers.push(vec![i]),
+            }
+            last_priority = p;
+        }
+        let endpoints = endpoints
+            .into_iter()
+            .map(|spec| Endpoint {
+                spec,
+                in_flight: Arc::new(AtomicU32::new(0)),
+                stats: Mutex::new(Stats::default()),
+            })
+            .collect();
+        Self {
+            settings,
+            endpoints,
+            tiers,
+        }
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> &BalanceSettings {
+        &self.settings
+    }
+
+    /// Number of endpoints.
+    pub fn len(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Whether there are no endpoints.
+    pub fn is_empty(&self) -> bool {
+        self.endpoints.is_empty()
+    }
+
+    /// The endpoint's configuration.
+    pub fn spec(&self, idx: usize) -> Option<&EndpointSpec> {
+        self.endpoints.get(idx).map(|e| &e.spec)
+    }
+
+    /// Choose an endpoint for one attempt; `None` when nothing is available. See the
+    /// module docs for the rules.
+    pub fn pick(
+        &self,
+        now: Instant,
+        rng: &mut impl Rng,
+        exclude: &[usize],
+        is_available: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        for tier in &self.tiers {
+            let candidates: Vec<(usize, u32)> = tier
+                .iter()
+                .filter_map(|&i| {
+                    let e = self.endpoints.get(i)?;
+                    let ok = e.spec.weight > 0
+                        && !exclude.contains(&i)
+                        && e.stats().cooldown_until.is_none_or(|t| t <= now)
+                        && is_available(i);
+                    ok.then_some((i, e.spec.weight))
+                })
+                .collect();
+            match candidates.as_slice() {
+                [] => continue,
+                [(only, _)] => return Some(*only),
+                _ => {}
+            }
+            let total: u64 = candidates.iter().map(|&(_, w)| u64::from(w)).sum();
+            let first = weighted_draw(rng, &candidates, total, None)?;
+            let first_w = candidates.get(first).map_or(0, |c| u64::from(c.1));
+            let second = weighted_draw(rng, &candidates, total - first_w, Some(first))?;
+            let mean_weight = total as f64 / candidates.len() as f64;
+            let (a, wa) = *candidates.get(first)?;
+            let (b, wb) = *candidates.get(second)?;
+            let cost_a = self.cost_with(a, wa, mean_weight, now);
+            let cost_b = self.cost_with(b, wb, mean_weight, now);
+            return Some(if cost_a > cost_b * self.settings.tie_ratio {
+                b
+            } else {
+                a
+            });
+        }
+        None
+    }
+
+    /// Record a time-to-first-token sample: updates the peak-EWMA and the TTFT SLO
+    /// estimate. (A failure can also be fed in as a large penalty sample, like linkerd's
+    /// load biaser, to steer traffic away faster than the breaker.)
+    pub fn record_ttft(&self, idx: usize, now: Instant, ttft: Duration) {
+        let Some(e) = self.endpoints.get(idx) else {
+            return;
+        };
+        let s = &self.settings;
+        let sample = ttft.as_secs_f64();
+        let mut st = e.stats();
+        // Blend against the stored estimate (not the idle-decayed read value): the time
+        // since the last sample already sets how much the new sample weighs.
+        let current = st.stamp.map(|_| st.ewma);
+        st.ewma = match current {
+            // First sample: take it as is.
+            None => sample,
+            // Peak: jump up at once.
+            Some(c) if sample > c => sample,
+            // Otherwise an EWMA that weighs the sample by the time since the last one.
+            Some(c) => {
+                let w = decay_weight(st.stamp, now, s.decay.as_secs_f64());
+                c * w + sample * (1.0 - w)
+            }
+        };
+        st.stamp = Some(latest(st.stamp, now));
+        if let Some(budget) = s.ttft_budget {
+            st.ttft_slo
+                .record(now, ttft > budget, s.slo_decay.as_secs_f64());
+        }
+    }
+
+    /// Record a total-latency sample (request start to end of response) for the latency
+    /// SLO estimate. Does not affect the EWMA (which is TTFT-based).
+    pub fn record_latency(&self, idx: usize, now: Instant, latency: Duration) {
+        let Some(e) = self.endpoints.get(idx) else {
+            return;
+        };
+        let s = &self.settings;
+        if let Some(budget) = s.latency_budget {
+            e.stats()
+                .latency_slo
+                .record(now, latency > budget, s.slo_decay.as_secs_f64());
+        }
+    }
+
+    /// Count a request as in flight to `idx` until the guard is dropped. `None` for an
+    /// unknown index. Drop it when the endpoint stops working on the request (first byte or
+    /// end of stream — see the crate's wiring notes).
+    pub fn start(&self, idx: usize) -> Option<InFlightGuard> {
+        let e = self.endpoints.get(idx)?;
+        e.in_flight.fetch_add(1, Ordering::AcqRel);
+        Some(InFlightGuard {
+            counter: Arc::clone(&e.in_flight),
+        })
+    }
+
+    /// Requests currently in flight to `idx`.
+    pub fn in_flight(&self, idx: usize) -> u32 {
+        self.endpoints
+            .get(idx)
+            .map_or(0, |e| e.in_flight.load(Ordering::Acquire))
+    }
+
+    /// Take `idx` out of rotation until `until` (e.g. from a 429's `Retry-After`). A later
+    /// deadline extends the cool-down; an earlier one does not shorten it.
+    pub fn cool_down(&self, idx: usize, until: Instant) {
+        if let Some(e) = self.endpoints.get(idx) {
+            let mut st = e.stats();
+            st.cooldown_until = Some(st.cooldown_until.map_or(until, |t| t.max(until)));
+        }
+    }
+
+    /// The cool-down deadline of `idx`, if one was ever set (it may be in the past).
+    pub fn cooling_until(&self, idx: usize) -> Option<Instant> {
+        self.endpoints.get(idx)?.stats().cooldown_until
+    }
+
+    /// Current peak-EWMA TTFT estimate (the default before any sample). For metrics.
+    pub fn ewma_ttft(&self, idx: usize, now: Instant) -> Option<Duration> {
+        let e = self.endpoints.get(idx)?;
+        let v = e.stats().ewma_at(now, &self.settings);
+        Duration::try_from_secs_f64(v).ok()
+    }
+
+    /// Current SLO penalty factor (1 = none). For metrics.
+    pub fn slo_penalty(&self, idx: usize, now: Instant) -> f64 {
+        self.endpoints
+            .get(idx)
+            .map_or(1.0, |e| e.stats().penalty(now, &self.settings))
+    }
+
+    /// The cost P2C compares, given the mean weight of the candidate set.
+    fn cost_with(&self, idx: usize, weight: u32, mean_weight: f64, now: Instant) -> f64 {
+        let Some(e) = self.endpoints.get(idx) else {
+            return f64::INFINITY;
+        };
+        let in_flight = f64::from(e.in_flight.load(Ordering::Acquire));
+        let (ewma, penalty) = {
+            let st = e.stats();
+            (
+                st.ewma_at(now, &self.settings),
+                st.penalty(now, &self.settings),
+            )
+        };
+        // A zero estimate (long idle) would make every cost 0 and hide load; floor it at
+        // 1 µs so in-flight and penalty still order the candidates.
+        let ewma = ewma.max(1e-6);
+        let share = mean_weight / f64::from(weight.max(1));
+        ewma * (1.0 + in_flight * share) * penalty
+    }
+}
+
+/// Draw an index into `candidates` with probability proportional to weight, skipping
+/// `skip`. `total` is the sum of the weights not skipped.
+fn weighted_draw(
+    rng: &mut impl Rng,
+    candidates: &[(usize, u32)],
+    total: u64,
+    skip: Option<usize>,
+) -> Option<usize> {
+    if total == 0 {
+        return None;
+    }
+    let mut r = rng.random_range(0..total);
+    for (pos, &(_, w)) in candidates.iter().enumerate() {
+        if Some(pos) == skip {
+            continue;
+        }
+        let w = u64::from(w);
+        if r < w {
+            return Some(pos);
+        }
+        r -= w;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::SmallRng;
+    use std::collections::VecDeque;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn ep(name: &str, weight: u32, priority: u32) -> EndpointSpec {
+        EndpointSpec {
+            name: name.to_owned(),
+            weight,
+            priority,
+        }
+    }
+
+    fn shares(b: &Balancer, n: usize, rng: &mut SmallRng, now: Instant) -> Vec<f64> {
+        let mut counts = vec![0usize; b.len()];
+        for _ in 0..n {
+            let i = b.pick(now, rng, &[], |_| true).expect("pick");
+            counts[i] += 1;
+        }
+        counts.iter().map(|&c| c as f64 / n as f64).collect()
+    }
+
+    fn assert_close(got: &[f64], want: &[f64], tol: f64) {
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= tol, "got {got:?}, want {want:?}");
+        }
+    }
+
+    #[test]
+    fn weights_hold_without_latency_data() {
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let b = Balancer::new(
+            vec![ep("a", 90, 0), ep("b", 10, 0)],
+            BalanceSettings::default(),
+        );
+        assert_close(&shares(&b, 10_000, &mut rng, now), &[0.9, 0.1], 0.03);
+        let b = Balancer::new(
+            vec![ep("a", 50, 0), ep("b", 30, 0), ep("c", 20, 0)],
+            BalanceSettings::default(),
+        );
+        assert_close(&shares(&b, 10_000, &mut rng, now), &[0.5, 0.3, 0.2], 0.03);
+    }
+
+    #[test]
+    fn weights_hold_with_equal_latencies() {
+        let t0 = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(2);
+        for (weights, want) in [
+            (vec![90, 10], vec![0.9, 0.1]),
+            (vec![50, 30, 20], vec![0.5, 0.3, 0.2]),
+        ] {
+            let specs = weights
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| ep(&format!("p{i}"), w, 0))
+                .collect();
+            let b = Balancer::new(specs, BalanceSettings::default());
+            let mut counts = vec![0usize; weights.len()];
+            for k in 0..10_000u32 {
+                let now = t0 + k * MS;
+                let i = b.pick(now, &mut rng, &[], |_| true).expect("pick");
+                counts[i] += 1;
+                b.record_ttft(i, now, 200 * MS);
+            }
+            let got: Vec<f64> = counts.iter().map(|&c| c as f64 / 10_000.0).collect();
+            assert_close(&got, &want, 0.03);
+        }
+    }
+
+    #[test]
+    fn weights_hold_under_concurrency() {
+        // Each request stays in flight for 50 picks (equal latency): the weight-scaled
+        // in-flight term must not pull a 90/10 split toward 50/50.
+        let t0 = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(3);
+        let b = Balancer::new(
+            vec![ep("a", 90, 0), ep("b", 10, 0)],
+            BalanceSettings::default(),
+        );
+        let mut held: VecDeque<InFlightGuard> = VecDeque::new();
+        let mut counts = [0usize; 2];
+        for k in 0..10_000u32 {
+            let now = t0 + k * MS;
+            let i = b.pick(now, &mut rng, &[], |_| true).expect("pick");
+            counts[i] += 1;
+            held.push_back(b.start(i).expect("guard"));
+            if held.len() > 50 {
+                held.pop_front();
+            }
+            b.record_ttft(i, now, 200 * MS);
+        }
+        let got = [counts[0] as f64 / 1e4, counts[1] as f64 / 1e4];
+        assert_close(&got, &[0.9, 0.1], 0.03);
+        drop(held);
+        assert_eq!(b.in_flight(0) + b.in_flight(1), 0);
+    }
+
+    #[test]
+    fn slower_endpoint_gets_clearly_less_traffic() {
+        let t0 = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(4);
+        let b = Balancer::new(
+            vec![ep("fast", 50, 0), ep("slow", 50, 0)],
+            BalanceSettings::default(),
+        );
+        let mut counts = [0usize; 2];
+        for k in 0..10_000u32 {
+            let now = t0 + k * 10 * MS;
+            let i = b.pick(now, &mut rng, &[], |_| true).expect("pick");
+            counts[i] += 1;
+            b.record_ttft(i, now, if i == 0 { 100 * MS } else { 300 * MS });
+        }
+        let slow_share = counts[1] as f64 / 1e4;
+        assert!(slow_share < 0.1, "slow share {slow_share}");
+        // It still gets probed now and then, as its estimate decays while idle.
+        assert!(counts[1] > 5, "slow count {}", counts[1]);
+    }
+
+    #[test]
+    fn peak_ewma_jumps_up_and_decays_down() {
+        let t0 = Instant::now();
+        let b = Balancer::new(vec![ep("a", 1, 0)], BalanceSettings::default());
+        assert_eq!(b.ewma_ttft(0, t0), Some(100 * MS), "default before data");
+        b.record_ttft(0, t0, 200 * MS);
+        b.record_ttft(0, t0, Duration::from_secs(2));
+        assert_eq!(b.ewma_ttft(0, t0), Some(Duration::from_secs(2)), "peak");
+        // A low sample one time constant later: 2 s × e^-1 + 0.2 s × (1 - e^-1).
+        let t1 = t0 + Duration::from_secs(10);
+        b.record_ttft(0, t1, 200 * MS);
+        let got = b.ewma_ttft(0, t1).unwrap_or_default().as_secs_f64();
+        let want = 2.0 * (-1f64).exp() + 0.2 * (1.0 - (-1f64).exp());
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+        // Idle: decays toward zero.
+        let idle = b
+            .ewma_ttft(0, t1 + Duration::from_secs(100))
+            .unwrap_or_default();
+        assert!(idle < MS);
+    }
+
+    #[test]
+    fn skips_cooling_excluded_unavailable_and_zero_weight() {
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let b = Balancer::new(
+            vec![
+                ep("cool", 50, 0),
+                ep("excluded", 50, 0),
+                ep("broken", 50, 0),
+                ep("zero", 0, 0),
+                ep("ok", 10, 0),
+            ],
+            BalanceSettings::default(),
+        );
+        b.cool_down(0, now + Duration::from_secs(5));
+        b.cool_down(0, now + Duration::from_secs(1));
+        assert_eq!(b.cooling_until(0), Some(now + Duration::from_secs(5)));
+        for _ in 0..1000 {
+            assert_eq!(b.pick(now, &mut rng, &[1], |i| i != 2), Some(4));
+        }
+        // The cool-down ends.
+        let later = now + Duration::from_secs(5);
+        let mut seen_cool = false;
+        for _ in 0..1000 {
+            seen_cool |= b.pick(later, &mut rng, &[1], |i| i != 2) == Some(0);
+        }
+        assert!(seen_cool);
+    }
+
+    #[test]
+    fn falls_to_next_tier_only_when_lower_has_nothing() {
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(6);
+        let b = Balancer::new(
+            vec![
+                ep("backup", 100, 1),
+                ep("p0a", 1, 0),
+                ep("p0b", 1, 0),
+                ep("last", 100, 7),
+            ],
+            BalanceSettings::default(),
+        );
+        for _ in 0..500 {
+            let i = b.pick(now, &mut rng, &[], |_| true).expect("pick");
+            assert!(i == 1 || i == 2);
+            assert_eq!(b.pick(now, &mut rng, &[1], |_| true), Some(2));
+        }
+        assert_eq!(b.pick(now, &mut rng, &[1], |i| i != 2), Some(0));
+        assert_eq!(b.pick(now, &mut rng, &[0, 1, 2], |_| true), Some(3));
+        assert_eq!(b.pick(now, &mut rng, &[0, 1, 2, 3], |_| true), None);
+        assert_eq!(b.pick(now, &mut rng, &[], |_| false), None);
+        let empty = Balancer::new(vec![], BalanceSettings::default());
+        assert!(empty.is_empty());
+        assert_eq!(empty.pick(now, &mut rng, &[], |_| true), None);
+    }
+
+    #[test]
+    fn slo_breach_loses_share_then_recovers() {
+        let t0 = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(7);
+        let settings = BalanceSettings {
+            latency_budget: Some(Duration::from_secs(5)),
+            ..BalanceSettings::default()
+        };
+        let b = Balancer::new(vec![ep("a", 50, 0), ep("b", 50, 0)], settings);
+        // Equal TTFT, but 10 % of b's requests take 8 s in total: its P99 breaks the budget.
+        let mut counts = [0usize; 2];
+        let mut b_reqs = 0u32;
+        for k in 0..20_000u32 {
+            let now = t0 + k * 10 * MS;
+            let i = b.pick(now, &mut rng, &[], |_| true).expect("pick");
+            b.record_ttft(i, now, 200 * MS);
+            let slow = i == 1 && {
+                b_reqs += 1;
+                b_reqs.is_multiple_of(10)
+            };
+            b.record_latency(i, now, if slow { 8000 * MS } else { 1000 * MS });
+            if k >= 10_000 {
+                counts[i] += 1;
+            }
+        }
+        let b_share = counts[1] as f64 / 1e4;
+        assert!(b_share < 0.2, "b share {b_share}");
+        let end = t0 + 200_000 * MS;
+        assert!(b.slo_penalty(1, end) > 1.0);
+        assert!((b.slo_penalty(0, end) - 1.0).abs() < f64::EPSILON);
+        // Without traffic its sample count decays below the minimum: penalty lifted.
+        assert!((b.slo_penalty(1, end + Duration::from_secs(300)) - 1.0).abs() < f64::EPSILON);
+    }
+
+    #[test]
+    fn slo_penalty_needs_min_samples() {
+        let t0 = Instant::now();
+        let settings = BalanceSettings {
+            ttft_budget: Some(800 * MS),
+            ..BalanceSettings::default()
+        };
+        let b = Balancer::new(vec![ep("a", 1, 0)], settings);
+        for _ in 0..5 {
+            b.record_ttft(0, t0, Duration::from_secs(3));
+        }
+        assert!((b.slo_penalty(0, t0) - 1.0).abs() < f64::EPSILON);
+        for _ in 0..30 {
+            b.record_ttft(0, t0, Duration::from_secs(3));
+        }
+        assert!((b.slo_penalty(0, t0) - 10.0).abs() < 1e-9, "capped");
+    }
+
+    #[test]
+    fn guards_count_in_flight_and_unknown_indices_are_harmless() {
+        let now = Instant::now();
+        let b = Balancer::new(vec![ep("a", 1, 0)], BalanceSettings::default());
+        let g1 = b.start(0).expect("guard");
+        let g2 = b.start(0).expect("guard");
+        assert_eq!(b.in_flight(0), 2);
+        drop(g1);
+        assert_eq!(b.in_flight(0), 1);
+        drop(g2);
+        assert_eq!(b.in_flight(0), 0);
+        assert!(b.start(9).is_none());
+        b.record_ttft(9, now, MS);
+        b.record_latency(9, now, MS);
+        b.cool_down(9, now);
+        assert_eq!(b.cooling_until(9), None);
+        assert_eq!(b.spec(0).map(|s| s.name.as_str()), Some("a"));
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Balancer>();
+        assert_send_sync::<InFlightGuard>();
+    }
+}
