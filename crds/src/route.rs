@@ -144,8 +144,8 @@ pub struct Provider {
     pub auth: Option<Auth>,
 
     /// Share of traffic within the provider's priority tier, 0 to 100. Weights are
-    /// relative: 90 and 10 send about 90 % and 10 %. 0 keeps the provider for fallback only
-    /// within its tier.
+    /// relative: 90 and 10 send about 90 % and 10 %. 0 takes the provider out of rotation
+    /// while keeping it in the route (for example while draining it).
     #[serde(default = "defaults::weight")]
     pub weight: u32,
 
