@@ -1,4 +1,5 @@
 //! tailwarden sidecar library: the data plane.
 pub mod balance;
 pub mod breaker;
+pub mod retry;
 pub mod sse;
