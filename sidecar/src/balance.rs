@@ -352,8 +352,9 @@ impl Balancer {
     }
 
     /// Count a request as in flight to `idx` until the guard is dropped. `None` for an
-    /// unknown index. Drop it when the endpoint stops working on the request (first byte or
-    /// end of stream — see the crate's wiring notes).
+    /// unknown index. Drop it when the first byte arrives (or the attempt fails): the cost
+    /// is TTFT-based, so like hyper-balance's `PendingUntilFirstData` a request stops
+    /// counting as load once it streams — long streams would otherwise look like queueing.
     pub fn start(&self, idx: usize) -> Option<InFlightGuard> {
         let e = self.endpoints.get(idx)?;
         e.in_flight.fetch_add(1, Ordering::AcqRel);
