@@ -163,7 +163,12 @@ pub fn load_str(file: &str, text: &str) -> Result<Vec<InferenceRoute>, LoadError
             Err(e) => {
                 let field = e.path().to_string();
                 let field = if field == "." { String::new() } else { field };
-                issues.push(issue(number, route_name, &field, e.into_inner().to_string()));
+                issues.push(issue(
+                    number,
+                    route_name,
+                    &field,
+                    e.into_inner().to_string(),
+                ));
                 continue;
             }
         };
@@ -214,7 +219,9 @@ fn check_across_routes(routes: &[(usize, InferenceRoute)], issues: &mut Vec<Conf
                     *number,
                     Some(name.clone()),
                     &format!("spec.models[{i}]"),
-                    format!("model {model:?} is already served by route {other} (document {first})"),
+                    format!(
+                        "model {model:?} is already served by route {other} (document {first})"
+                    ),
                 )),
                 None => {
                     models.insert(model, (*number, name.clone()));

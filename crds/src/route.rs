@@ -18,6 +18,8 @@ use crate::units::{ByteSize, Decimal, DurationString};
 /// The desired behaviour of LLM API calls for a set of client-facing model names: which
 /// providers serve them, in which order, and how the sidecar times out, retries, hedges,
 /// breaks circuits, limits and caches them.
+// Several `printcolumn(...)` entries repeat `type_`, which clippy mistakes for a duplicate.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "tailwarden.io",
@@ -34,9 +36,17 @@ use crate::units::{ByteSize, Decimal, DurationString};
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].status"
     ),
-    printcolumn(name = "Providers", type_ = "string", json_path = ".spec.providers[*].name"),
+    printcolumn(
+        name = "Providers",
+        type_ = "string",
+        json_path = ".spec.providers[*].name"
+    ),
     printcolumn(name = "TTFT SLO", type_ = "string", json_path = ".spec.slo.ttftP99"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(

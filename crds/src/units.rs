@@ -22,13 +22,19 @@ pub const BYTE_SIZE_PATTERN: &str = r"^[0-9]{1,15}(Ki|Mi|Gi|k|M|G)?$";
 /// Why a unit string was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UnitError {
-    #[error("invalid duration {0:?}: expected a number and a unit (ns, us, ms, s, m, h), such as \"800ms\", \"2s\" or \"1m30s\"")]
+    #[error(
+        "invalid duration {0:?}: expected a number and a unit (ns, us, ms, s, m, h), such as \"800ms\", \"2s\" or \"1m30s\""
+    )]
     Duration(String),
     #[error("duration {0:?} is too large (the maximum is about 292 years)")]
     DurationTooLarge(String),
-    #[error("invalid decimal {0:?}: expected a non-negative decimal string such as \"2.00\" (at most 12 digits before and after the point)")]
+    #[error(
+        "invalid decimal {0:?}: expected a non-negative decimal string such as \"2.00\" (at most 12 digits before and after the point)"
+    )]
     Decimal(String),
-    #[error("invalid byte size {0:?}: expected digits with an optional suffix Ki, Mi, Gi, k, M or G, such as \"16Mi\"")]
+    #[error(
+        "invalid byte size {0:?}: expected digits with an optional suffix Ki, Mi, Gi, k, M or G, such as \"16Mi\""
+    )]
     ByteSize(String),
     #[error("byte size {0:?} is too large")]
     ByteSizeTooLarge(String),
@@ -116,7 +122,7 @@ pub fn format_duration(d: Duration) -> String {
         ("ms", 1_000_000),
         ("us", 1_000),
     ] {
-        if nanos != 0 && nanos % size == 0 {
+        if nanos != 0 && nanos.is_multiple_of(size) {
             return format!("{}{unit}", nanos / size);
         }
     }
@@ -453,7 +459,17 @@ mod tests {
         assert_eq!(d.as_str(), "2.00");
         let d: Decimal = "0.000001".parse().unwrap();
         assert_eq!(d.get() * RustDecimal::from(1_000_000), RustDecimal::ONE);
-        for text in ["", "-1", "1.", ".5", "1e3", "abc", "1.2.3", "1234567890123", " 1"] {
+        for text in [
+            "",
+            "-1",
+            "1.",
+            ".5",
+            "1e3",
+            "abc",
+            "1.2.3",
+            "1234567890123",
+            " 1",
+        ] {
             assert_eq!(
                 text.parse::<Decimal>(),
                 Err(UnitError::Decimal(text.into())),
@@ -472,7 +488,11 @@ mod tests {
             ("1k", 1000),
         ];
         for (text, want) in cases {
-            assert_eq!(text.parse::<ByteSize>().map(|b| b.get()), Ok(want), "{text}");
+            assert_eq!(
+                text.parse::<ByteSize>().map(|b| b.get()),
+                Ok(want),
+                "{text}"
+            );
         }
         for text in ["", "Mi", "16mi", "16MB", "-1", "1.5Mi", "16 Mi"] {
             assert_eq!(
@@ -492,7 +512,10 @@ mod tests {
         let d: DurationString = serde_json::from_str("\"1h30m\"").unwrap();
         assert_eq!(serde_json::to_string(&d).unwrap(), "\"1h30m\"");
         let err = serde_json::from_str::<DurationString>("\"soon\"").unwrap_err();
-        assert!(err.to_string().contains("invalid duration \"soon\""), "{err}");
+        assert!(
+            err.to_string().contains("invalid duration \"soon\""),
+            "{err}"
+        );
         let err = serde_json::from_str::<DurationString>("5").unwrap_err();
         assert!(err.to_string().contains("a duration string"), "{err}");
     }

@@ -15,12 +15,21 @@ fn committed_crd_matches_the_rust_types() {
 fn crd_has_the_api_surface_users_rely_on() {
     use kube::CustomResourceExt;
     let crd = tailwarden_crds::InferenceRoute::crd();
-    assert_eq!(crd.metadata.name.as_deref(), Some("inferenceroutes.tailwarden.io"));
+    assert_eq!(
+        crd.metadata.name.as_deref(),
+        Some("inferenceroutes.tailwarden.io")
+    );
     assert_eq!(crd.spec.scope, "Namespaced");
     assert_eq!(crd.spec.names.short_names, Some(vec!["ir".to_string()]));
     let version = &crd.spec.versions[0];
     assert_eq!(version.name, "v1alpha1");
-    assert!(version.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some());
+    assert!(
+        version
+            .subresources
+            .as_ref()
+            .and_then(|s| s.status.as_ref())
+            .is_some()
+    );
     let columns: Vec<_> = version
         .additional_printer_columns
         .iter()
@@ -30,16 +39,28 @@ fn crd_has_the_api_surface_users_rely_on() {
     assert_eq!(columns, ["Ready", "Providers", "TTFT SLO", "Age"]);
 
     // Every property in the schema has a description, so `kubectl explain` teaches.
-    let schema = serde_json::to_value(version.schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref()))
-        .expect("schema");
+    let schema = serde_json::to_value(
+        version
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref()),
+    )
+    .expect("schema");
     let spec = &schema["properties"]["spec"];
     let mut missing = Vec::new();
     walk(spec, "spec", &mut missing);
-    assert!(missing.is_empty(), "fields without a description: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "fields without a description: {missing:?}"
+    );
 }
 
 fn walk(node: &serde_json::Value, path: &str, missing: &mut Vec<String>) {
-    if node.get("description").and_then(|d| d.as_str()).is_none_or(str::is_empty) {
+    if node
+        .get("description")
+        .and_then(|d| d.as_str())
+        .is_none_or(str::is_empty)
+    {
         missing.push(path.to_owned());
     }
     if let Some(props) = node.get("properties").and_then(|p| p.as_object()) {
@@ -47,9 +68,9 @@ fn walk(node: &serde_json::Value, path: &str, missing: &mut Vec<String>) {
             walk(child, &format!("{path}.{name}"), missing);
         }
     }
-    if let Some(items) = node.get("items") {
-        if items.get("properties").is_some() {
-            walk(items, &format!("{path}[]"), missing);
-        }
+    if let Some(items) = node.get("items")
+        && items.get("properties").is_some()
+    {
+        walk(items, &format!("{path}[]"), missing);
     }
 }

@@ -103,10 +103,13 @@ fn valid_routes_load() {
                 "providers": [{"name": "only", "baseUrl": "http://127.0.0.1:18000/v1"}]
             });
         }),
-        ("zero weight inside a tier that has another weighted provider", |d| {
-            set(d, "/spec/providers/1/priority", json!(0));
-            set(d, "/spec/providers/1/weight", json!(0));
-        }),
+        (
+            "zero weight inside a tier that has another weighted provider",
+            |d| {
+                set(d, "/spec/providers/1/priority", json!(0));
+                set(d, "/spec/providers/1/weight", json!(0));
+            },
+        ),
         ("fixed hedge delay below firstByte", |d| {
             set(d, "/spec/hedging/delay", json!("250ms"))
         }),
@@ -118,7 +121,11 @@ fn valid_routes_load() {
             )
         }),
         ("pricing a modelMap target", |d| {
-            set(d, "/spec/providers/0/modelMap", json!({"gpt-4.1": "gpt-4.1-2025-04-14"}));
+            set(
+                d,
+                "/spec/providers/0/modelMap",
+                json!({"gpt-4.1": "gpt-4.1-2025-04-14"}),
+            );
             set(
                 d,
                 "/spec/providers/0/pricing/0/model",
@@ -133,7 +140,11 @@ fn valid_routes_load() {
         }),
         ("redis backend with an address", |d| {
             set(d, "/spec/rateLimit/backend", json!("redis"));
-            set(d, "/spec/rateLimit/redis", json!({"address": "redis.shop:6379"}));
+            set(
+                d,
+                "/spec/rateLimit/redis",
+                json!({"address": "redis.shop:6379"}),
+            );
         }),
     ];
     for (name, edit) in cases {
@@ -148,112 +159,341 @@ fn valid_routes_load() {
 #[test]
 fn invalid_routes_are_rejected_with_exact_messages() {
     let cases: Vec<(&str, Edit, &str, &str)> = vec![
-        ("no models", |d| {
-            set(d, "/spec/models", json!([]));
-            remove(d, "/spec/tiers");
-            remove(d, "/spec/providers/0/modelMap");
-            remove(d, "/spec/providers/0/pricing");
-        },
-         "spec.models", "at least one model is required (use \"*\" for a default route)"),
-        ("duplicate models", |d| set(d, "/spec/models", json!(["gpt-4.1", "gpt-4.1-mini", "gpt-4.1"])),
-         "spec.models", "models must be unique"),
-        ("empty provider list", |d| set(d, "/spec/providers", json!([])),
-         "spec.providers", "at least one provider is required"),
-        ("duplicate provider names", |d| set(d, "/spec/providers/1/name", json!("primary")),
-         "spec.providers", "provider names must be unique"),
-        ("all weights zero in a tier", |d| set(d, "/spec/providers/1/weight", json!(0)),
-         "spec.providers", "every priority tier needs at least one provider with a non-zero weight"),
-        ("weight over 100", |d| set(d, "/spec/providers/0/weight", json!(101)),
-         "spec.providers[0].weight", "weight must be between 0 and 100"),
-        ("priority over 9", |d| set(d, "/spec/providers/1/priority", json!(10)),
-         "spec.providers[1].priority", "priority must be between 0 and 9"),
-        ("provider name not a DNS label", |d| set(d, "/spec/providers/0/name", json!("Primary_1")),
-         "spec.providers[0].name", "provider name must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"),
-        ("baseUrl with userinfo", |d| set(d, "/spec/providers/0/baseUrl", json!("https://user:pw@api.openai.com/v1")),
-         "spec.providers[0].baseUrl", "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment"),
-        ("baseUrl not http", |d| set(d, "/spec/providers/0/baseUrl", json!("ftp://api.openai.com/v1")),
-         "spec.providers[0].baseUrl", "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment"),
-        ("baseUrl with query", |d| set(d, "/spec/providers/0/baseUrl", json!("https://api.openai.com/v1?key=1")),
-         "spec.providers[0].baseUrl", "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment"),
-        ("maxConnections zero", |d| set(d, "/spec/providers/0/maxConnections", json!(0)),
-         "spec.providers[0].maxConnections", "maxConnections must be between 1 and 10000"),
-        ("auth with two sources", |d| set(d, "/spec/providers/0/auth/env", json!("OPENAI_API_KEY")),
-         "spec.providers[0].auth", "auth needs exactly one of secretRef, env or file"),
-        ("auth with no source", |d| set(d, "/spec/providers/0/auth", json!({"header": "api-key"})),
-         "spec.providers[0].auth", "auth needs exactly one of secretRef, env or file"),
-        ("auth env not a variable name", |d| set(d, "/spec/providers/1/auth", json!({"env": "1KEY"})),
-         "spec.providers[1].auth.env", "env must be an environment variable name (letters, digits and '_', not starting with a digit)"),
-        ("auth file relative", |d| set(d, "/spec/providers/1/auth", json!({"file": "keys/openai"})),
-         "spec.providers[1].auth.file", "file must be an absolute path"),
-        ("modelMap key not served", |d| set(d, "/spec/providers/0/modelMap", json!({"gpt-5": "gpt-5"})),
-         "spec.providers", "modelMap keys must be models this route serves (listed in spec.models)"),
-        ("pricing unknown model", |d| set(d, "/spec/providers/0/pricing/0/model", json!("o3")),
-         "spec.providers", "pricing entries must name a model the provider serves: a spec.models entry or a modelMap target"),
-        ("pricing listed twice", |d| set(d, "/spec/providers/0/pricing/1", json!({"model": "gpt-4.1", "inputPerMTok": "1", "outputPerMTok": "1"})),
-         "spec.providers[0].pricing", "pricing must list each model once"),
-        ("tier model not served", |d| set(d, "/spec/tiers/0/model", json!("gpt-3.5")),
-         "spec.tiers", "tier models must be models this route serves (listed in spec.models)"),
-        ("tier names repeated", |d| set(d, "/spec/tiers/1", json!({"name": "small", "model": "gpt-4.1"})),
-         "spec.tiers", "tier names must be unique"),
-        ("tier min above max", |d| set(d, "/spec/tiers/0/when/minPromptChars", json!(500)),
-         "spec.tiers[0].when.minPromptChars", "minPromptChars must not exceed maxPromptChars"),
-        ("firstByte above total", |d| set(d, "/spec/timeouts/firstByte", json!("3m")),
-         "spec.timeouts.firstByte", "firstByte must not exceed total"),
-        ("idle above total", |d| set(d, "/spec/timeouts/idle", json!("121s")),
-         "spec.timeouts.idle", "idle must not exceed total"),
-        ("connect above total", |d| set(d, "/spec/timeouts/connect", json!("1h")),
-         "spec.timeouts.connect", "connect must not exceed total"),
-        ("zero timeout", |d| set(d, "/spec/timeouts/connect", json!("0s")),
-         "spec.timeouts", "timeouts must be greater than zero"),
-        ("maxAttempts zero", |d| {
-            set(d, "/spec/retries/maxAttempts", json!(0));
-            set(d, "/spec/hedging/enabled", json!(false));
-        },
-         "spec.retries.maxAttempts", "maxAttempts must be between 1 and 10"),
-        ("maxAttempts eleven", |d| set(d, "/spec/retries/maxAttempts", json!(11)),
-         "spec.retries.maxAttempts", "maxAttempts must be between 1 and 10"),
-        ("budgetPercent over 100", |d| set(d, "/spec/retries/budgetPercent", json!(150)),
-         "spec.retries.budgetPercent", "budgetPercent must be between 0 and 100"),
-        ("backoff base above max", |d| set(d, "/spec/retries/backoff/base", json!("5s")),
-         "spec.retries.backoff.base", "backoff.base must not exceed backoff.max"),
-        ("hedging with a single attempt", |d| set(d, "/spec/retries/maxAttempts", json!(1)),
-         "spec.hedging.enabled", "hedging needs retries.maxAttempts of at least 2: a hedge is an extra attempt"),
-        ("hedge delay not a duration", |d| set(d, "/spec/hedging/delay", json!("soon")),
-         "spec.hedging.delay", "delay must be \"auto\" or a duration such as \"250ms\""),
-        ("hedge delay beyond firstByte", |d| set(d, "/spec/hedging/delay", json!("10s")),
-         "spec.hedging.delay", "hedging.delay must be shorter than timeouts.firstByte, or the hedge can never start"),
-        ("hedge maxPercent over 100", |d| set(d, "/spec/hedging/maxPercent", json!(101)),
-         "spec.hedging.maxPercent", "maxPercent must be between 0 and 100"),
-        ("breaker openFor above maxOpenFor", |d| set(d, "/spec/circuitBreaker/openFor", json!("10m")),
-         "spec.circuitBreaker.openFor", "openFor must be greater than zero and not exceed maxOpenFor"),
-        ("breaker failure rate zero", |d| set(d, "/spec/circuitBreaker/failureRatePercent", json!(0)),
-         "spec.circuitBreaker.failureRatePercent", "failureRatePercent must be between 1 and 100"),
-        ("breaker no probes", |d| set(d, "/spec/circuitBreaker/halfOpenProbes", json!(0)),
-         "spec.circuitBreaker.halfOpenProbes", "halfOpenProbes must be between 1 and 100"),
-        ("breaker consecutive zero", |d| set(d, "/spec/circuitBreaker/consecutiveFailures", json!(0)),
-         "spec.circuitBreaker.consecutiveFailures", "consecutiveFailures must be between 1 and 1000"),
-        ("availability over 100", |d| set(d, "/spec/slo/availabilityPercent", json!("100.5")),
-         "spec.slo.availabilityPercent", "availabilityPercent must be a decimal string above 0 and at most 100, such as \"99.9\""),
-        ("availability zero", |d| set(d, "/spec/slo/availabilityPercent", json!("0.0")),
-         "spec.slo.availabilityPercent", "availabilityPercent must be a decimal string above 0 and at most 100, such as \"99.9\""),
-        ("ttft SLO beyond firstByte", |d| set(d, "/spec/slo/ttftP99", json!("11s")),
-         "spec.slo.ttftP99", "slo.ttftP99 must not exceed timeouts.firstByte"),
-        ("latency SLO beyond total", |d| set(d, "/spec/slo/latencyP99", json!("3m")),
-         "spec.slo.latencyP99", "slo.latencyP99 must not exceed timeouts.total"),
-        ("redis backend without address", |d| set(d, "/spec/rateLimit/backend", json!("redis")),
-         "spec.rateLimit.redis", "backend redis needs a redis section with the server address"),
-        ("redis address without port", |d| {
-            set(d, "/spec/rateLimit/backend", json!("redis"));
-            set(d, "/spec/rateLimit/redis", json!({"address": "redis"}));
-        }, "spec.rateLimit.redis.address", "address must be host:port"),
-        ("rate limit zero rps", |d| set(d, "/spec/rateLimit/requestsPerSecond", json!(0)),
-         "spec.rateLimit.requestsPerSecond", "requestsPerSecond must be at least 1"),
-        ("tenant header with spaces", |d| set(d, "/spec/rateLimit/tenantHeader", json!("x tenant")),
-         "spec.rateLimit.tenantHeader", "tenantHeader must be an HTTP header name"),
-        ("cache zero entries", |d| set(d, "/spec/cache/exact/maxEntries", json!(0)),
-         "spec.cache.exact.maxEntries", "maxEntries must be at least 1"),
-        ("heartbeat too frequent", |d| set(d, "/spec/streaming", json!({"heartbeatInterval": "100ms"})),
-         "spec.streaming.heartbeatInterval", "heartbeatInterval must be at least 1s"),
+        (
+            "no models",
+            |d| {
+                set(d, "/spec/models", json!([]));
+                remove(d, "/spec/tiers");
+                remove(d, "/spec/providers/0/modelMap");
+                remove(d, "/spec/providers/0/pricing");
+            },
+            "spec.models",
+            "at least one model is required (use \"*\" for a default route)",
+        ),
+        (
+            "duplicate models",
+            |d| {
+                set(
+                    d,
+                    "/spec/models",
+                    json!(["gpt-4.1", "gpt-4.1-mini", "gpt-4.1"]),
+                )
+            },
+            "spec.models",
+            "models must be unique",
+        ),
+        (
+            "empty provider list",
+            |d| set(d, "/spec/providers", json!([])),
+            "spec.providers",
+            "at least one provider is required",
+        ),
+        (
+            "duplicate provider names",
+            |d| set(d, "/spec/providers/1/name", json!("primary")),
+            "spec.providers",
+            "provider names must be unique",
+        ),
+        (
+            "all weights zero in a tier",
+            |d| set(d, "/spec/providers/1/weight", json!(0)),
+            "spec.providers",
+            "every priority tier needs at least one provider with a non-zero weight",
+        ),
+        (
+            "weight over 100",
+            |d| set(d, "/spec/providers/0/weight", json!(101)),
+            "spec.providers[0].weight",
+            "weight must be between 0 and 100",
+        ),
+        (
+            "priority over 9",
+            |d| set(d, "/spec/providers/1/priority", json!(10)),
+            "spec.providers[1].priority",
+            "priority must be between 0 and 9",
+        ),
+        (
+            "provider name not a DNS label",
+            |d| set(d, "/spec/providers/0/name", json!("Primary_1")),
+            "spec.providers[0].name",
+            "provider name must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit",
+        ),
+        (
+            "baseUrl with userinfo",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/0/baseUrl",
+                    json!("https://user:pw@api.openai.com/v1"),
+                )
+            },
+            "spec.providers[0].baseUrl",
+            "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment",
+        ),
+        (
+            "baseUrl not http",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/0/baseUrl",
+                    json!("ftp://api.openai.com/v1"),
+                )
+            },
+            "spec.providers[0].baseUrl",
+            "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment",
+        ),
+        (
+            "baseUrl with query",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/0/baseUrl",
+                    json!("https://api.openai.com/v1?key=1"),
+                )
+            },
+            "spec.providers[0].baseUrl",
+            "baseUrl must be an http:// or https:// URL with no user name, password, query or fragment",
+        ),
+        (
+            "maxConnections zero",
+            |d| set(d, "/spec/providers/0/maxConnections", json!(0)),
+            "spec.providers[0].maxConnections",
+            "maxConnections must be between 1 and 10000",
+        ),
+        (
+            "auth with two sources",
+            |d| set(d, "/spec/providers/0/auth/env", json!("OPENAI_API_KEY")),
+            "spec.providers[0].auth",
+            "auth needs exactly one of secretRef, env or file",
+        ),
+        (
+            "auth with no source",
+            |d| set(d, "/spec/providers/0/auth", json!({"header": "api-key"})),
+            "spec.providers[0].auth",
+            "auth needs exactly one of secretRef, env or file",
+        ),
+        (
+            "auth env not a variable name",
+            |d| set(d, "/spec/providers/1/auth", json!({"env": "1KEY"})),
+            "spec.providers[1].auth.env",
+            "env must be an environment variable name (letters, digits and '_', not starting with a digit)",
+        ),
+        (
+            "auth file relative",
+            |d| set(d, "/spec/providers/1/auth", json!({"file": "keys/openai"})),
+            "spec.providers[1].auth.file",
+            "file must be an absolute path",
+        ),
+        (
+            "modelMap key not served",
+            |d| set(d, "/spec/providers/0/modelMap", json!({"gpt-5": "gpt-5"})),
+            "spec.providers",
+            "modelMap keys must be models this route serves (listed in spec.models)",
+        ),
+        (
+            "pricing unknown model",
+            |d| set(d, "/spec/providers/0/pricing/0/model", json!("o3")),
+            "spec.providers",
+            "pricing entries must name a model the provider serves: a spec.models entry or a modelMap target",
+        ),
+        (
+            "pricing listed twice",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/0/pricing/1",
+                    json!({"model": "gpt-4.1", "inputPerMTok": "1", "outputPerMTok": "1"}),
+                )
+            },
+            "spec.providers[0].pricing",
+            "pricing must list each model once",
+        ),
+        (
+            "tier model not served",
+            |d| set(d, "/spec/tiers/0/model", json!("gpt-3.5")),
+            "spec.tiers",
+            "tier models must be models this route serves (listed in spec.models)",
+        ),
+        (
+            "tier names repeated",
+            |d| {
+                set(
+                    d,
+                    "/spec/tiers/1",
+                    json!({"name": "small", "model": "gpt-4.1"}),
+                )
+            },
+            "spec.tiers",
+            "tier names must be unique",
+        ),
+        (
+            "tier min above max",
+            |d| set(d, "/spec/tiers/0/when/minPromptChars", json!(500)),
+            "spec.tiers[0].when.minPromptChars",
+            "minPromptChars must not exceed maxPromptChars",
+        ),
+        (
+            "firstByte above total",
+            |d| set(d, "/spec/timeouts/firstByte", json!("3m")),
+            "spec.timeouts.firstByte",
+            "firstByte must not exceed total",
+        ),
+        (
+            "idle above total",
+            |d| set(d, "/spec/timeouts/idle", json!("121s")),
+            "spec.timeouts.idle",
+            "idle must not exceed total",
+        ),
+        (
+            "connect above total",
+            |d| set(d, "/spec/timeouts/connect", json!("1h")),
+            "spec.timeouts.connect",
+            "connect must not exceed total",
+        ),
+        (
+            "zero timeout",
+            |d| set(d, "/spec/timeouts/connect", json!("0s")),
+            "spec.timeouts",
+            "timeouts must be greater than zero",
+        ),
+        (
+            "maxAttempts zero",
+            |d| {
+                set(d, "/spec/retries/maxAttempts", json!(0));
+                set(d, "/spec/hedging/enabled", json!(false));
+            },
+            "spec.retries.maxAttempts",
+            "maxAttempts must be between 1 and 10",
+        ),
+        (
+            "maxAttempts eleven",
+            |d| set(d, "/spec/retries/maxAttempts", json!(11)),
+            "spec.retries.maxAttempts",
+            "maxAttempts must be between 1 and 10",
+        ),
+        (
+            "budgetPercent over 100",
+            |d| set(d, "/spec/retries/budgetPercent", json!(150)),
+            "spec.retries.budgetPercent",
+            "budgetPercent must be between 0 and 100",
+        ),
+        (
+            "backoff base above max",
+            |d| set(d, "/spec/retries/backoff/base", json!("5s")),
+            "spec.retries.backoff.base",
+            "backoff.base must not exceed backoff.max",
+        ),
+        (
+            "hedging with a single attempt",
+            |d| set(d, "/spec/retries/maxAttempts", json!(1)),
+            "spec.hedging.enabled",
+            "hedging needs retries.maxAttempts of at least 2: a hedge is an extra attempt",
+        ),
+        (
+            "hedge delay not a duration",
+            |d| set(d, "/spec/hedging/delay", json!("soon")),
+            "spec.hedging.delay",
+            "delay must be \"auto\" or a duration such as \"250ms\"",
+        ),
+        (
+            "hedge delay beyond firstByte",
+            |d| set(d, "/spec/hedging/delay", json!("10s")),
+            "spec.hedging.delay",
+            "hedging.delay must be shorter than timeouts.firstByte, or the hedge can never start",
+        ),
+        (
+            "hedge maxPercent over 100",
+            |d| set(d, "/spec/hedging/maxPercent", json!(101)),
+            "spec.hedging.maxPercent",
+            "maxPercent must be between 0 and 100",
+        ),
+        (
+            "breaker openFor above maxOpenFor",
+            |d| set(d, "/spec/circuitBreaker/openFor", json!("10m")),
+            "spec.circuitBreaker.openFor",
+            "openFor must be greater than zero and not exceed maxOpenFor",
+        ),
+        (
+            "breaker failure rate zero",
+            |d| set(d, "/spec/circuitBreaker/failureRatePercent", json!(0)),
+            "spec.circuitBreaker.failureRatePercent",
+            "failureRatePercent must be between 1 and 100",
+        ),
+        (
+            "breaker no probes",
+            |d| set(d, "/spec/circuitBreaker/halfOpenProbes", json!(0)),
+            "spec.circuitBreaker.halfOpenProbes",
+            "halfOpenProbes must be between 1 and 100",
+        ),
+        (
+            "breaker consecutive zero",
+            |d| set(d, "/spec/circuitBreaker/consecutiveFailures", json!(0)),
+            "spec.circuitBreaker.consecutiveFailures",
+            "consecutiveFailures must be between 1 and 1000",
+        ),
+        (
+            "availability over 100",
+            |d| set(d, "/spec/slo/availabilityPercent", json!("100.5")),
+            "spec.slo.availabilityPercent",
+            "availabilityPercent must be a decimal string above 0 and at most 100, such as \"99.9\"",
+        ),
+        (
+            "availability zero",
+            |d| set(d, "/spec/slo/availabilityPercent", json!("0.0")),
+            "spec.slo.availabilityPercent",
+            "availabilityPercent must be a decimal string above 0 and at most 100, such as \"99.9\"",
+        ),
+        (
+            "ttft SLO beyond firstByte",
+            |d| set(d, "/spec/slo/ttftP99", json!("11s")),
+            "spec.slo.ttftP99",
+            "slo.ttftP99 must not exceed timeouts.firstByte",
+        ),
+        (
+            "latency SLO beyond total",
+            |d| set(d, "/spec/slo/latencyP99", json!("3m")),
+            "spec.slo.latencyP99",
+            "slo.latencyP99 must not exceed timeouts.total",
+        ),
+        (
+            "redis backend without address",
+            |d| set(d, "/spec/rateLimit/backend", json!("redis")),
+            "spec.rateLimit.redis",
+            "backend redis needs a redis section with the server address",
+        ),
+        (
+            "redis address without port",
+            |d| {
+                set(d, "/spec/rateLimit/backend", json!("redis"));
+                set(d, "/spec/rateLimit/redis", json!({"address": "redis"}));
+            },
+            "spec.rateLimit.redis.address",
+            "address must be host:port",
+        ),
+        (
+            "rate limit zero rps",
+            |d| set(d, "/spec/rateLimit/requestsPerSecond", json!(0)),
+            "spec.rateLimit.requestsPerSecond",
+            "requestsPerSecond must be at least 1",
+        ),
+        (
+            "tenant header with spaces",
+            |d| set(d, "/spec/rateLimit/tenantHeader", json!("x tenant")),
+            "spec.rateLimit.tenantHeader",
+            "tenantHeader must be an HTTP header name",
+        ),
+        (
+            "cache zero entries",
+            |d| set(d, "/spec/cache/exact/maxEntries", json!(0)),
+            "spec.cache.exact.maxEntries",
+            "maxEntries must be at least 1",
+        ),
+        (
+            "heartbeat too frequent",
+            |d| set(d, "/spec/streaming", json!({"heartbeatInterval": "100ms"})),
+            "spec.streaming.heartbeatInterval",
+            "heartbeatInterval must be at least 1s",
+        ),
     ];
     assert!(cases.len() >= 25);
     let mut failures = Vec::new();
@@ -264,9 +504,13 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             Ok(_) => failures.push(format!("{name}: accepted")),
             Err(e) => {
                 let issues = e.issues();
-                let hit = issues.iter().any(|i| i.field == field && i.message == message);
+                let hit = issues
+                    .iter()
+                    .any(|i| i.field == field && i.message == message);
                 if !hit || issues.len() != 1 {
-                    failures.push(format!("{name}: wanted exactly `{field}: {message}`, got:\n{e}"));
+                    failures.push(format!(
+                        "{name}: wanted exactly `{field}: {message}`, got:\n{e}"
+                    ));
                 }
                 // The rendered message names the file, the document and the route.
                 let text = e.to_string();
@@ -282,24 +526,60 @@ fn invalid_routes_are_rejected_with_exact_messages() {
 #[test]
 fn type_errors_name_the_field() {
     let cases: Vec<(&str, Edit, &str, &str)> = vec![
-        ("negative weight", |d| set(d, "/spec/providers/0/weight", json!(-5)),
-         "spec.providers[0].weight", "invalid value: integer `-5`, expected u32"),
-        ("wrong type", |d| set(d, "/spec/retries/maxAttempts", json!("three")),
-         "spec.retries.maxAttempts", "invalid type: string \"three\", expected u32"),
-        ("unknown field", |d| set(d, "/spec/providers/0/wieght", json!(5)),
-         "spec.providers[0].wieght", "unknown field `wieght`, expected one of `name`, `baseUrl`"),
-        ("bad duration", |d| set(d, "/spec/timeouts/total", json!("2 minutes")),
-         "spec.timeouts.total", "invalid duration \"2 minutes\""),
-        ("bad decimal", |d| set(d, "/spec/providers/0/pricing/0/inputPerMTok", json!("$2")),
-         "spec.providers[0].pricing[0].inputPerMTok", "invalid decimal \"$2\""),
-        ("price as a float", |d| set(d, "/spec/providers/0/pricing/0/inputPerMTok", json!(2.5)),
-         "spec.providers[0].pricing[0].inputPerMTok", "invalid type: floating point `2.5`, expected a decimal string"),
-        ("bad byte size", |d| set(d, "/spec/limits/maxBodyBytes", json!("16MB")),
-         "spec.limits.maxBodyBytes", "invalid byte size \"16MB\""),
-        ("unknown retryOn class", |d| set(d, "/spec/retries/retryOn", json!(["4xx"])),
-         "spec.retries.retryOn[0]", "unknown retryOn class `4xx`, expected one of connect, reset, 5xx, 429, firstByteTimeout"),
-        ("missing provider name", |d| remove(d, "/spec/providers/0/name"),
-         "spec.providers[0]", "missing field `name`"),
+        (
+            "negative weight",
+            |d| set(d, "/spec/providers/0/weight", json!(-5)),
+            "spec.providers[0].weight",
+            "invalid value: integer `-5`, expected u32",
+        ),
+        (
+            "wrong type",
+            |d| set(d, "/spec/retries/maxAttempts", json!("three")),
+            "spec.retries.maxAttempts",
+            "invalid type: string \"three\", expected u32",
+        ),
+        (
+            "unknown field",
+            |d| set(d, "/spec/providers/0/wieght", json!(5)),
+            "spec.providers[0].wieght",
+            "unknown field `wieght`, expected one of `name`, `baseUrl`",
+        ),
+        (
+            "bad duration",
+            |d| set(d, "/spec/timeouts/total", json!("2 minutes")),
+            "spec.timeouts.total",
+            "invalid duration \"2 minutes\"",
+        ),
+        (
+            "bad decimal",
+            |d| set(d, "/spec/providers/0/pricing/0/inputPerMTok", json!("$2")),
+            "spec.providers[0].pricing[0].inputPerMTok",
+            "invalid decimal \"$2\"",
+        ),
+        (
+            "price as a float",
+            |d| set(d, "/spec/providers/0/pricing/0/inputPerMTok", json!(2.5)),
+            "spec.providers[0].pricing[0].inputPerMTok",
+            "invalid type: floating point `2.5`, expected a decimal string",
+        ),
+        (
+            "bad byte size",
+            |d| set(d, "/spec/limits/maxBodyBytes", json!("16MB")),
+            "spec.limits.maxBodyBytes",
+            "invalid byte size \"16MB\"",
+        ),
+        (
+            "unknown retryOn class",
+            |d| set(d, "/spec/retries/retryOn", json!(["4xx"])),
+            "spec.retries.retryOn[0]",
+            "unknown retryOn class `4xx`, expected one of connect, reset, 5xx, 429, firstByteTimeout",
+        ),
+        (
+            "missing provider name",
+            |d| remove(d, "/spec/providers/0/name"),
+            "spec.providers[0]",
+            "missing field `name`",
+        ),
     ];
     for (name, edit, field, message_start) in cases {
         let mut doc = base();
@@ -320,8 +600,11 @@ fn type_errors_name_the_field() {
 #[test]
 fn file_level_errors_are_clear() {
     // YAML syntax error: names the file, the document and where.
-    let err = load_str("bad.yaml", "apiVersion: tailwarden.io/v1alpha1\nkind: [unclosed\n")
-        .expect_err("syntax error");
+    let err = load_str(
+        "bad.yaml",
+        "apiVersion: tailwarden.io/v1alpha1\nkind: [unclosed\n",
+    )
+    .expect_err("syntax error");
     let text = err.to_string();
     assert!(text.starts_with("bad.yaml: document 1: "), "{text}");
     assert!(text.contains("line 2"), "{text}");
@@ -359,7 +642,8 @@ fn file_level_errors_are_clear() {
     let err = tailwarden_crds::load_file(std::path::Path::new("/nonexistent/routes.yaml"))
         .expect_err("missing file");
     assert!(
-        err.to_string().starts_with("/nonexistent/routes.yaml: cannot read: "),
+        err.to_string()
+            .starts_with("/nonexistent/routes.yaml: cannot read: "),
         "{err}"
     );
 }
@@ -372,7 +656,11 @@ fn multi_document_files_check_across_routes() {
         )
     };
     // Empty documents are skipped; two routes with distinct models load.
-    let text = format!("---\n{}---\n---\n{}", one("a", "[m1]"), one("b", "[m2, '*']"));
+    let text = format!(
+        "---\n{}---\n---\n{}",
+        one("a", "[m1]"),
+        one("b", "[m2, '*']")
+    );
     let routes = load_str("multi.yaml", &text).expect("two routes");
     assert_eq!(routes.len(), 2);
 
@@ -418,7 +706,10 @@ fn defaults_make_a_minimal_route_complete() {
     assert_eq!(spec.retries.retry_on.len(), 5);
     assert!(spec.retries.honor_retry_after);
     assert_eq!(spec.retries.max_retry_after.get(), s(30));
-    assert_eq!(spec.retries.backoff.base.get(), std::time::Duration::from_millis(100));
+    assert_eq!(
+        spec.retries.backoff.base.get(),
+        std::time::Duration::from_millis(100)
+    );
     assert!(!spec.hedging.enabled);
     assert_eq!(spec.hedging.fixed_delay(), None);
     assert!(spec.circuit_breaker.enabled);
@@ -454,5 +745,8 @@ fn every_example_loads() {
             count += 1;
         }
     }
-    assert!(count >= 3, "expected at least three examples, found {count}");
+    assert!(
+        count >= 3,
+        "expected at least three examples, found {count}"
+    );
 }

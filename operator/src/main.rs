@@ -5,7 +5,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tailwarden-operator", version, about = "The tailwarden control plane")]
+#[command(
+    name = "tailwarden-operator",
+    version,
+    about = "The tailwarden control plane"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -1,2 +1,142 @@
-//! tailwarden-sidecar binary.
-fn main() {}
+//! `tailwarden-sidecar --config FILE [--listen ADDR] [--admin ADDR]`: runs the data plane.
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, sync::atomic::Ordering, time::Duration};
+
+use anyhow::Context;
+use clap::Parser;
+use tailwarden_sidecar::{
+    admin, metrics::Metrics, proxy::App, reload, server, upstream::PoolCache,
+};
+use tokio::sync::watch;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tailwarden-sidecar",
+    version,
+    about = "OpenAI-compatible sidecar that enforces InferenceRoutes"
+)]
+struct Args {
+    /// File of one or more InferenceRoute YAML documents; reloaded when it changes.
+    #[arg(long, env = "TAILWARDEN_CONFIG")]
+    config: PathBuf,
+    /// Client listener (OpenAI-compatible API).
+    #[arg(long, default_value = "127.0.0.1:15080", env = "TAILWARDEN_LISTEN")]
+    listen: SocketAddr,
+    /// Admin listener: /healthz, /readyz, /metrics, /config.
+    #[arg(long, default_value = "127.0.0.1:15090", env = "TAILWARDEN_ADMIN")]
+    admin: SocketAddr,
+    /// Log format: json (one object per line) or text.
+    #[arg(long, default_value = "json", value_parser = ["json", "text"], env = "TAILWARDEN_LOG_FORMAT")]
+    log_format: String,
+    /// How often the config file (and key files) are checked for changes, e.g. 1s.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    reload_interval: Duration,
+    /// How long in-flight requests may take to finish after SIGTERM, e.g. 30s.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    drain_timeout: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    tailwarden_crds::units::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TAILWARDEN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {},
+                    _ = term.recv() => {},
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_logging(&args.log_format);
+
+    let pools = PoolCache::default();
+    let (table, hash) = match reload::load(&pools, &args.config) {
+        Ok(loaded) => loaded,
+        Err(reason) => {
+            eprintln!("tailwarden-sidecar: invalid config: {reason}");
+            std::process::exit(2);
+        }
+    };
+    let metrics = Arc::new(Metrics::new().context("registering metrics")?);
+    let app = Arc::new(App::new(table, metrics, pools));
+    reload::loaded(&app, &args.config, hash);
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot bind the client listener {}", args.listen))?;
+    let admin_listener = tokio::net::TcpListener::bind(args.admin)
+        .await
+        .with_context(|| format!("cannot bind the admin listener {}", args.admin))?;
+    let listen_addr = listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+    tracing::info!(listen = %listen_addr, admin = %admin_addr, config = %args.config.display(), "tailwarden-sidecar started");
+    // A line on stdout for scripts and tests that wait for the ports.
+    println!("listening on {listen_addr} admin {admin_addr}");
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let watcher = tokio::spawn(reload::watch(
+        app.clone(),
+        args.config.clone(),
+        args.reload_interval,
+    ));
+    let admin_task = tokio::spawn(admin::serve(
+        admin_listener,
+        app.clone(),
+        std::future::pending(),
+    ));
+    let server_task = tokio::spawn(server::serve(
+        listener,
+        app.clone(),
+        stopped(stop_rx.clone()),
+        args.drain_timeout,
+    ));
+
+    shutdown_signal().await;
+    tracing::info!("shutdown requested: draining");
+    app.draining.store(true, Ordering::SeqCst);
+    let _ = stop_tx.send(true);
+    let _ = server_task.await;
+    watcher.abort();
+    admin_task.abort();
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,279 @@
+//! Per-request accounting: metrics, tokens, cost and the one JSON log line per request.
+//!
+//! A [`Recorder`] travels with the response body and records when it is dropped — after the
+//! last byte, on a failure, or when the client went away mid-stream — so every exit is
+//! counted once, usage included. When the provider sends no usage, tokens are estimated
+//! (request bytes / 4 for input, content chunks for output) and marked as estimated.
+
+use std::{sync::Arc, time::Duration};
+
+use rust_decimal::{Decimal, prelude::ToPrimitive};
+use tokio::time::Instant;
+
+use crate::{metrics::Metrics, sse::SseEvent};
+
+/// Token counts of one response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input: u64,
+    pub cached_input: u64,
+    pub output: u64,
+    pub reasoning: u64,
+    /// True when the provider reported no usage and these are estimates.
+    pub estimated: bool,
+}
+
+/// Prices per million tokens for the provider model that served the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Price {
+    pub input: Decimal,
+    pub cached_input: Decimal,
+    pub output: Decimal,
+}
+
+impl Price {
+    /// Cost in currency units; exact decimal arithmetic, no floats.
+    pub fn cost(&self, usage: &Usage) -> Decimal {
+        let uncached = usage.input.saturating_sub(usage.cached_input);
+        let per_m = Decimal::from(1_000_000u32);
+        (Decimal::from(uncached) * self.input
+            + Decimal::from(usage.cached_input) * self.cached_input
+            + Decimal::from(usage.output) * self.output)
+            / per_m
+    }
+}
+
+/// What is known about a request when its response starts.
+#[derive(Debug, Clone)]
+pub struct RequestInfo {
+    pub metrics: Arc<Metrics>,
+    pub request_id: String,
+    pub route: Arc<str>,
+    pub model: String,
+    pub provider: Arc<str>,
+    pub provider_model: String,
+    pub tier: Option<Arc<str>>,
+    pub stream: bool,
+    pub status: u16,
+    pub attempts: u32,
+    pub hedged: bool,
+    pub arrived: Instant,
+    pub overhead: Duration,
+    pub request_bytes: usize,
+    pub price: Option<Price>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    InProgress,
+    Ok,
+    Failed(&'static str),
+}
+
+/// Records a request's metrics and log line exactly once, when dropped.
+pub struct Recorder {
+    info: RequestInfo,
+    outcome: Outcome,
+    error_type: Option<String>,
+    ttft: Option<Duration>,
+    usage: Option<Usage>,
+    content_chunks: u64,
+    done_seen: bool,
+    body_bytes: usize,
+}
+
+impl Recorder {
+    pub fn new(info: RequestInfo) -> Self {
+        info.metrics
+            .in_flight
+            .with_label_values(&[&info.route])
+            .inc();
+        Self {
+            info,
+            outcome: Outcome::InProgress,
+            error_type: None,
+            ttft: None,
+            usage: None,
+            content_chunks: 0,
+            done_seen: false,
+            body_bytes: 0,
+        }
+    }
+
+    /// A response that is complete at creation (errors, buffered bodies).
+    pub fn finished(info: RequestInfo, error_type: Option<&str>) -> Self {
+        let mut r = Self::new(info);
+        r.error_type = error_type.map(str::to_owned);
+        r.outcome = if r.info.status < 400 {
+            Outcome::Ok
+        } else {
+            Outcome::Failed("error")
+        };
+        r
+    }
+
+    pub fn set_usage(&mut self, usage: Usage) {
+        self.usage = Some(usage);
+    }
+
+    pub fn add_body_bytes(&mut self, n: usize) {
+        self.body_bytes += n;
+    }
+
+    pub fn on_sse_event(&mut self, event: &SseEvent) {
+        if event.has_content() {
+            if self.ttft.is_none() {
+                self.ttft = Some(self.info.arrived.elapsed());
+            }
+            self.content_chunks += 1;
+        }
+        if matches!(event, SseEvent::Done) {
+            self.done_seen = true;
+        }
+        if let SseEvent::Data { usage: Some(u), .. } = event {
+            self.usage = Some(Usage {
+                input: u.prompt_tokens.unwrap_or(0),
+                cached_input: u.cached_tokens.unwrap_or(0),
+                output: u.completion_tokens.unwrap_or(0),
+                reasoning: u.reasoning_tokens.unwrap_or(0),
+                estimated: false,
+            });
+        }
+    }
+
+    pub fn fail_mid_stream(&mut self, code: &'static str) {
+        self.outcome = Outcome::Failed(code);
+        self.error_type = Some(code.to_owned());
+    }
+
+    pub fn finish_ok(&mut self) {
+        if self.outcome == Outcome::InProgress {
+            self.outcome = Outcome::Ok;
+        }
+    }
+
+    fn status_class(&self) -> &'static str {
+        match self.outcome {
+            Outcome::InProgress => "client_closed",
+            Outcome::Failed(_) if self.info.status < 400 => "stream_error",
+            _ => match self.info.status {
+                200..=299 => "2xx",
+                400..=499 => "4xx",
+                _ => "5xx",
+            },
+        }
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        let i = &self.info;
+        let m = &i.metrics;
+        m.in_flight.with_label_values(&[&i.route]).dec();
+        let total = i.arrived.elapsed();
+        let class = self.status_class();
+        let provider: &str = &i.provider;
+        m.requests
+            .with_label_values(&[&i.route, provider, &i.model, class])
+            .inc();
+        m.request_duration
+            .with_label_values(&[&i.route, provider, &i.model, class])
+            .observe(total.as_secs_f64());
+        m.overhead
+            .with_label_values(&[&i.route])
+            .observe(i.overhead.as_secs_f64());
+        if let Some(ttft) = self.ttft {
+            m.ttft
+                .with_label_values(&[&i.route, provider, &i.model])
+                .observe(ttft.as_secs_f64());
+        }
+        // Usage: exact when the provider sent it, else an estimate for successful bodies.
+        let usage = self.usage.or_else(|| {
+            (i.status < 400 && !provider.is_empty()).then_some(Usage {
+                input: (i.request_bytes / 4) as u64,
+                cached_input: 0,
+                output: if i.stream {
+                    self.content_chunks
+                } else {
+                    (self.body_bytes / 4) as u64
+                },
+                reasoning: 0,
+                estimated: true,
+            })
+        });
+        let mut cost = None;
+        if let Some(u) = &usage {
+            for (kind, n) in [
+                ("input", u.input),
+                ("cached_input", u.cached_input),
+                ("output", u.output),
+                ("reasoning", u.reasoning),
+            ] {
+                if n > 0 {
+                    m.tokens
+                        .with_label_values(&[&i.route, provider, &i.model, kind])
+                        .inc_by(n);
+                }
+            }
+            if let Some(price) = &i.price {
+                let c = price.cost(u);
+                m.cost
+                    .with_label_values(&[&i.route, provider, &i.model])
+                    .inc_by(c.to_f64().unwrap_or(0.0));
+                cost = Some(c);
+            }
+        }
+        let error_type = match (self.outcome, &self.error_type) {
+            (Outcome::InProgress, _) => Some("client_closed"),
+            (_, Some(e)) => Some(e.as_str()),
+            _ => None,
+        };
+        tracing::info!(
+            target: "tailwarden::access",
+            request_id = %i.request_id,
+            route = %i.route,
+            model = %i.model,
+            provider = provider,
+            provider_model = %i.provider_model,
+            tier = i.tier.as_deref().unwrap_or(""),
+            stream = i.stream,
+            status = i.status,
+            attempts = i.attempts,
+            hedged = i.hedged,
+            ttft_ms = self.ttft.map(|t| t.as_secs_f64() * 1000.0),
+            total_ms = total.as_secs_f64() * 1000.0,
+            overhead_us = i.overhead.as_micros() as u64,
+            input_tokens = usage.map(|u| u.input),
+            cached_input_tokens = usage.map(|u| u.cached_input),
+            output_tokens = usage.map(|u| u.output),
+            reasoning_tokens = usage.map(|u| u.reasoning),
+            usage_estimated = usage.map(|u| u.estimated),
+            cost = cost.map(|c| c.to_string()),
+            error_type = error_type,
+            "request"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_is_exact_decimal() {
+        let price = Price {
+            input: "2.00".parse().unwrap(),
+            cached_input: "0.50".parse().unwrap(),
+            output: "8.00".parse().unwrap(),
+        };
+        let usage = Usage {
+            input: 1_500,
+            cached_input: 500,
+            output: 250,
+            reasoning: 0,
+            estimated: false,
+        };
+        // 1000 × 2 + 500 × 0.5 + 250 × 8 = 4250 per million.
+        assert_eq!(price.cost(&usage), "0.00425".parse::<Decimal>().unwrap());
+    }
+}

@@ -1,0 +1,211 @@
+//! The response body the sidecar sends to clients.
+//!
+//! Either a complete body (errors, buffered non-stream responses) or a relay of the upstream
+//! body: bytes go out as they arrive, never coalesced. The relay enforces the idle and total
+//! deadlines, scans SSE frames in passing (for time to first token and usage), strips the
+//! usage chunk the sidecar asked for on the client's behalf, and turns a failure after the
+//! first byte into a clean SSE error event rather than a silent truncation. Dropping the body
+//! (the client went away) drops the upstream body at once, which cancels the upstream request.
+
+use std::{
+    collections::VecDeque,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::{
+    accounting::Recorder,
+    sse::{self, SseForwarder},
+};
+
+/// Error type of the client-facing body: the stream is aborted (the client sees a broken
+/// connection, as it must when a non-SSE body cannot be completed).
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("upstream body failed: {0}")]
+    Upstream(#[from] hyper::Error),
+    #[error("{0}")]
+    Deadline(&'static str),
+}
+
+/// A client-facing response body.
+pub enum ProxyBody {
+    Full(Option<Bytes>),
+    Relay(Box<Relay>),
+}
+
+impl std::fmt::Debug for ProxyBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProxyBody::Full(b) => write!(f, "Full({:?} bytes)", b.as_ref().map(Bytes::len)),
+            ProxyBody::Relay(_) => f.write_str("Relay"),
+        }
+    }
+}
+
+impl ProxyBody {
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
+        ProxyBody::Full(Some(bytes.into()))
+    }
+
+    pub fn empty() -> Self {
+        ProxyBody::Full(None)
+    }
+}
+
+/// Relay state of a committed upstream response.
+pub struct Relay {
+    held: VecDeque<Bytes>,
+    upstream: Option<Incoming>,
+    forwarder: Option<SseForwarder>,
+    idle_timeout: Duration,
+    idle: Pin<Box<Sleep>>,
+    total: Pin<Box<Sleep>>,
+    recorder: Recorder,
+    /// Holds the provider's connection slot until the body ends or is dropped.
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Relay {
+    /// `held` are the bytes already read from upstream, already passed through
+    /// `forwarder` if it is an SSE stream; `upstream` is the rest of the body, if any.
+    pub fn new(
+        held: VecDeque<Bytes>,
+        upstream: Option<Incoming>,
+        forwarder: Option<SseForwarder>,
+        idle_timeout: Duration,
+        deadline: Instant,
+        recorder: Recorder,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Self {
+        Self {
+            held,
+            upstream,
+            forwarder,
+            idle_timeout,
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            total: Box::pin(tokio::time::sleep_until(deadline)),
+            recorder,
+            _permit: permit,
+        }
+    }
+
+    /// Ends the relay after a failure: SSE clients get an error event, others an abort.
+    fn fail(
+        &mut self,
+        message: &'static str,
+        code: &'static str,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.upstream = None;
+        self.recorder.fail_mid_stream(code);
+        if self.forwarder.is_some() {
+            self.forwarder = None;
+            Poll::Ready(Some(Ok(Frame::data(sse::error_event(
+                message,
+                "server_error",
+                Some(code),
+            )))))
+        } else {
+            Poll::Ready(Some(Err(BodyError::Deadline(message))))
+        }
+    }
+
+    fn on_chunk(&mut self, chunk: Bytes) -> Option<Bytes> {
+        let Some(forwarder) = self.forwarder.as_mut() else {
+            self.recorder.add_body_bytes(chunk.len());
+            return Some(chunk);
+        };
+        let recorder = &mut self.recorder;
+        let out = forwarder.forward(chunk, |event| recorder.on_sse_event(&event));
+        if out.is_empty() { None } else { Some(out) }
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let relay = match self.get_mut() {
+            ProxyBody::Full(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Relay(relay) => relay,
+        };
+        if let Some(bytes) = relay.held.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(bytes))));
+        }
+        loop {
+            let Some(upstream) = relay.upstream.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if relay.total.as_mut().poll(cx).is_ready() {
+                return relay.fail(
+                    "The request exceeded its total deadline (spec.timeouts.total) while streaming.",
+                    "total_timeout",
+                );
+            }
+            match Pin::new(upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers carry nothing the client needs
+                    };
+                    let deadline = Instant::now() + relay.idle_timeout;
+                    relay.idle.as_mut().reset(deadline);
+                    if let Some(out) = relay.on_chunk(data) {
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
+                }
+                Poll::Ready(Some(Err(_))) => {
+                    return relay.fail(
+                        "The provider's connection failed in the middle of the response.",
+                        "upstream_stream_error",
+                    );
+                }
+                Poll::Ready(None) => {
+                    relay.upstream = None;
+                    relay.recorder.finish_ok();
+                    if let Some(forwarder) = relay.forwarder.as_mut() {
+                        let recorder = &mut relay.recorder;
+                        let rest = forwarder.finish(|event| recorder.on_sse_event(&event));
+                        if !rest.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(rest))));
+                        }
+                    }
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => {
+                    if relay.idle.as_mut().poll(cx).is_ready() {
+                        return relay.fail(
+                            "The provider sent nothing for longer than the idle timeout (spec.timeouts.idle).",
+                            "idle_timeout",
+                        );
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.is_none(),
+            ProxyBody::Relay(r) => r.held.is_empty() && r.upstream.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ProxyBody::Full(None) => SizeHint::with_exact(0),
+            ProxyBody::Relay(_) => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Errors the sidecar returns to clients, in OpenAI's JSON error shape, and the crate's
+//! internal error type.
+//!
+//! Clients use OpenAI SDKs, which turn `{"error": {"message", "type", "param", "code"}}` plus
+//! the HTTP status into typed exceptions (`BadRequestError`, `NotFoundError`,
+//! `RateLimitError`, …), so every error the sidecar itself produces takes that shape.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde::Serialize;
+
+use crate::body::ProxyBody;
+
+/// An error response produced by the sidecar (not passed through from a provider).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `rate_limit_error`, `server_error`, …
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub param: Option<&'static str>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            code: None,
+            param: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "The model `{model}` does not exist or is not served by any route of this sidecar."
+            ),
+        );
+        e.code = Some("model_not_found");
+        e.param = Some("model");
+        e
+    }
+
+    pub fn not_found(path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "Unknown path {path}: this sidecar serves /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models."
+            ),
+        )
+    }
+
+    pub fn method_not_allowed(method: &http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("Method {method} is not allowed on {path}."),
+        )
+    }
+
+    pub fn too_large(limit: u64) -> Self {
+        let mut e = Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!(
+                "The request body is larger than the route's limit of {limit} bytes (spec.limits.maxBodyBytes)."
+            ),
+        );
+        e.code = Some("request_too_large");
+        e
+    }
+
+    pub fn body_timeout() -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "The request body was not received in time.",
+        )
+    }
+
+    pub fn upstream_unavailable(message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message);
+        e.code = Some("no_provider_available");
+        e
+    }
+
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::BAD_GATEWAY, "server_error", message);
+        e.code = Some("upstream_error");
+        e
+    }
+
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message);
+        e.code = Some("upstream_timeout");
+        e
+    }
+
+    pub fn shutting_down() -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The sidecar is shutting down.",
+        );
+        e.retry_after = Some(1);
+        e
+    }
+
+    pub fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body_json(&self) -> Bytes {
+        let envelope = Envelope {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param,
+                code: self.code,
+            },
+        };
+        // Serialising plain strings cannot fail; fall back to a fixed body all the same.
+        serde_json::to_vec(&envelope)
+            .map(Bytes::from)
+            .unwrap_or_else(|_| Bytes::from_static(b"{\"error\":{\"message\":\"internal error\",\"type\":\"server_error\",\"param\":null,\"code\":null}}"))
+    }
+
+    /// The full HTTP response.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let mut response = Response::new(ProxyBody::full(self.body_json()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(secs) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// Errors of the sidecar's own machinery (not of a request).
+#[derive(Debug, thiserror::Error)]
+pub enum SidecarError {
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Config(#[from] tailwarden_crds::LoadError),
+    #[error("route {route}: provider {provider}: {message}")]
+    Provider {
+        route: String,
+        provider: String,
+        message: String,
+    },
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}

@@ -1,0 +1,180 @@
+//! Prometheus metrics of the data plane, served on the admin port.
+//!
+//! Labels are bounded: route, provider, model (client-facing, from the config), status
+//! class and small enums. Nothing per request or per tenant, so cardinality stays fixed.
+//! Latency buckets run from 5 ms to 600 s because LLM calls routinely take minutes.
+
+use prometheus::{
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Buckets for request, attempt and time-to-first-token durations.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+];
+/// Buckets for the sidecar's own overhead: microseconds to tens of milliseconds.
+pub const OVERHEAD_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1,
+];
+
+/// All metrics of one sidecar process.
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub ttft: HistogramVec,
+    pub attempt_duration: HistogramVec,
+    pub overhead: HistogramVec,
+    pub retries: IntCounterVec,
+    pub hedges: IntCounterVec,
+    pub breaker_state: IntGaugeVec,
+    pub breaker_transitions: IntCounterVec,
+    pub tokens: IntCounterVec,
+    pub cost: CounterVec,
+    pub in_flight: IntGaugeVec,
+    pub config_reloads: IntCounterVec,
+    pub config_valid: IntGauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+fn histogram(
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> prometheus::Result<HistogramVec> {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+}
+
+impl Metrics {
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let m = Self {
+            requests: IntCounterVec::new(
+                Opts::new("tailwarden_requests_total", "Client requests by outcome."),
+                &["route", "provider", "model", "status_class"],
+            )?,
+            request_duration: histogram(
+                "tailwarden_request_duration_seconds",
+                "Client request duration, from arrival to the last byte of the response.",
+                &["route", "provider", "model", "status_class"],
+                LATENCY_BUCKETS,
+            )?,
+            ttft: histogram(
+                "tailwarden_time_to_first_token_seconds",
+                "Time from arrival to the first content token of a streamed response.",
+                &["route", "provider", "model"],
+                LATENCY_BUCKETS,
+            )?,
+            attempt_duration: histogram(
+                "tailwarden_upstream_attempt_duration_seconds",
+                "Duration of each upstream attempt until its first byte or failure.",
+                &["route", "provider", "outcome"],
+                LATENCY_BUCKETS,
+            )?,
+            overhead: histogram(
+                "tailwarden_overhead_seconds",
+                "Time the sidecar itself spent on a request: parsing, routing and relaying, excluding waiting on providers.",
+                &["route"],
+                OVERHEAD_BUCKETS,
+            )?,
+            retries: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_retries_total",
+                    "Retried attempts by the failure that caused them.",
+                ),
+                &["route", "provider", "reason"],
+            )?,
+            hedges: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_hedges_total",
+                    "Hedged attempts by outcome (started, won, lost).",
+                ),
+                &["route", "outcome"],
+            )?,
+            breaker_state: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_circuit_breaker_state",
+                    "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+                ),
+                &["route", "provider"],
+            )?,
+            breaker_transitions: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_circuit_breaker_transitions_total",
+                    "Circuit breaker transitions.",
+                ),
+                &["route", "provider", "to", "reason"],
+            )?,
+            tokens: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_tokens_total",
+                    "Tokens by type (input, cached_input, output, reasoning).",
+                ),
+                &["route", "provider", "model", "type"],
+            )?,
+            cost: CounterVec::new(
+                Opts::new(
+                    "tailwarden_cost_total",
+                    "Cost of requests in the pricing's currency units.",
+                ),
+                &["route", "provider", "model"],
+            )?,
+            in_flight: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_in_flight_requests",
+                    "Client requests in progress.",
+                ),
+                &["route"],
+            )?,
+            config_reloads: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_config_reloads_total",
+                    "Config file loads by result (ok, invalid).",
+                ),
+                &["result"],
+            )?,
+            config_valid: IntGauge::new(
+                "tailwarden_config_last_load_valid",
+                "1 when the last config file load was valid, 0 when the sidecar kept an older config.",
+            )?,
+            registry,
+        };
+        m.registry.register(Box::new(m.requests.clone()))?;
+        m.registry.register(Box::new(m.request_duration.clone()))?;
+        m.registry.register(Box::new(m.ttft.clone()))?;
+        m.registry.register(Box::new(m.attempt_duration.clone()))?;
+        m.registry.register(Box::new(m.overhead.clone()))?;
+        m.registry.register(Box::new(m.retries.clone()))?;
+        m.registry.register(Box::new(m.hedges.clone()))?;
+        m.registry.register(Box::new(m.breaker_state.clone()))?;
+        m.registry
+            .register(Box::new(m.breaker_transitions.clone()))?;
+        m.registry.register(Box::new(m.tokens.clone()))?;
+        m.registry.register(Box::new(m.cost.clone()))?;
+        m.registry.register(Box::new(m.in_flight.clone()))?;
+        m.registry.register(Box::new(m.config_reloads.clone()))?;
+        m.registry.register(Box::new(m.config_valid.clone()))?;
+        Ok(m)
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        // Encoding into a Vec only fails on inconsistent metric families, which
+        // registration already rules out; an empty page is the safe answer then.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}

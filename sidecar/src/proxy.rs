@@ -1,0 +1,1166 @@
+//! The request path: read and check the body, pick the route and tier, then run attempts
+//! (retries, hedges, fallback) until one produces its first byte, and relay it.
+//!
+//! The client sees nothing until an attempt has its first upstream byte in hand: until
+//! then any failure can still be retried elsewhere. After that, nothing is retried; a
+//! failure ends an SSE stream with an error event. Every request ends by `timeouts.total`.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
+use futures_util::{StreamExt, stream::FuturesUnordered};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::{
+    accounting::{Recorder, RequestInfo, Usage},
+    body::{ProxyBody, Relay},
+    breaker::{Permit, State, Transition},
+    error::ApiError,
+    metrics::Metrics,
+    reload::ConfigStatus,
+    request::RequestBody,
+    retry::{self, FailureKind},
+    routes::{Route, RouteTable, Upstream, choose_tier},
+    sse::{SseEvent, SseForwarder},
+    upstream::PoolCache,
+};
+
+/// Non-stream responses up to this size are read whole before the client sees anything, so
+/// a failure in the middle of one can still be retried. Larger ones are relayed.
+const BUFFER_LIMIT: usize = 4 << 20;
+/// Error bodies read from providers are capped at this size.
+const ERROR_BODY_LIMIT: usize = 64 << 10;
+
+/// Shared state of the sidecar.
+pub struct App {
+    pub table: ArcSwap<RouteTable>,
+    pub metrics: Arc<Metrics>,
+    pub pools: PoolCache,
+    pub draining: AtomicBool,
+    pub body_timeout: Duration,
+    next_id: AtomicU64,
+    status: std::sync::Mutex<ConfigStatus>,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("App")
+    }
+}
+
+impl App {
+    pub fn new(table: RouteTable, metrics: Arc<Metrics>, pools: PoolCache) -> Self {
+        Self {
+            table: ArcSwap::from_pointee(table),
+            metrics,
+            pools,
+            draining: AtomicBool::new(false),
+            body_timeout: Duration::from_secs(30),
+            next_id: AtomicU64::new(1),
+            status: std::sync::Mutex::new(ConfigStatus::default()),
+        }
+    }
+
+    /// The config file's load status, for `/config`.
+    pub fn config_status(&self) -> ConfigStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    pub fn set_config_status(&self, status: ConfigStatus) {
+        if let Ok(mut s) = self.status.lock() {
+            *s = status;
+        }
+    }
+
+    fn request_id(&self, headers: &HeaderMap) -> String {
+        headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty() && v.len() <= 128)
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("tw-{:x}", self.next_id.fetch_add(1, Ordering::Relaxed)))
+    }
+}
+
+/// Entry point for every client request.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let arrived = Instant::now();
+    let path = req.uri().path().to_owned();
+    let suffix = match path.as_str() {
+        "/v1/chat/completions" => "/chat/completions",
+        "/v1/completions" => "/completions",
+        "/v1/embeddings" => "/embeddings",
+        "/v1/models" => {
+            return if req.method() == Method::GET {
+                models(&app)
+            } else {
+                ApiError::method_not_allowed(req.method(), &path).into_response()
+            };
+        }
+        _ => return ApiError::not_found(&path).into_response(),
+    };
+    if req.method() != Method::POST {
+        return ApiError::method_not_allowed(req.method(), &path).into_response();
+    }
+    if app.draining.load(Ordering::Relaxed) {
+        return ApiError::shutting_down().into_response();
+    }
+    match proxy(&app, req, suffix, arrived).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn models(app: &App) -> Response<ProxyBody> {
+    let table = app.table.load();
+    let data: Vec<serde_json::Value> = table
+        .models()
+        .into_iter()
+        .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "tailwarden"}))
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data});
+    let mut response = Response::new(ProxyBody::full(body.to_string()));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+async fn read_body(
+    app: &App,
+    req: Request<Incoming>,
+    limit: u64,
+) -> Result<(HeaderMap, Bytes), ApiError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::too_large(limit));
+    }
+    let (parts, body) = req.into_parts();
+    let limited = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX));
+    match tokio::time::timeout(app.body_timeout, limited.collect()).await {
+        Err(_) => Err(ApiError::body_timeout()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Ok(Err(_)) => Err(ApiError::bad_request("The request body could not be read.")),
+        Ok(Ok(collected)) => Ok((parts.headers, collected.to_bytes())),
+    }
+}
+
+/// Per-request state shared by its attempts.
+struct Call<'a> {
+    app: &'a App,
+    route: &'a Arc<Route>,
+    suffix: &'static str,
+    client_headers: &'a HeaderMap,
+    request_id: &'a str,
+    stream: bool,
+    strip_usage: bool,
+    /// Model after tier choice (client-facing).
+    model: &'a str,
+    body: &'a RequestBody<'a>,
+    raw_body: &'a Bytes,
+    deadline: Instant,
+}
+
+async fn proxy(
+    app: &App,
+    req: Request<Incoming>,
+    suffix: &'static str,
+    arrived: Instant,
+) -> Result<Response<ProxyBody>, ApiError> {
+    let table = app.table.load_full();
+    let limit = table.max_body_bytes.max(1);
+    let (headers, raw_body) = read_body(app, req, limit).await?;
+    let body = RequestBody::parse(&raw_body)?;
+    let route = table
+        .route_for(&body.model)
+        .ok_or_else(|| ApiError::model_not_found(&body.model))?;
+    if raw_body.len() as u64 > route.settings.max_body_bytes {
+        return Err(ApiError::too_large(route.settings.max_body_bytes));
+    }
+    let tier = if route.tiers.is_empty() {
+        None
+    } else {
+        choose_tier(&route.tiers, &body.prompt_stats())
+    };
+    let model = tier.map_or(body.model.as_ref(), |t| t.model.as_str());
+    let request_id = app.request_id(&headers);
+    let stream = body.stream && suffix != "/embeddings";
+    let call = Call {
+        app,
+        route,
+        suffix,
+        client_headers: &headers,
+        request_id: &request_id,
+        stream,
+        strip_usage: stream && route.settings.include_usage && !body.client_wants_usage,
+        model,
+        body: &body,
+        raw_body: &raw_body,
+        deadline: arrived + route.settings.total,
+    };
+    let outcome = run(&call).await;
+    let info = |status: u16,
+                upstream: Option<&Upstream>,
+                attempts: u32,
+                hedged: bool,
+                overhead: Duration| RequestInfo {
+        metrics: app.metrics.clone(),
+        request_id: request_id.clone(),
+        route: route.name.clone(),
+        model: body.model.to_string(),
+        provider: upstream.map_or_else(|| Arc::from(""), |u| u.name.clone()),
+        provider_model: upstream.map_or_else(String::new, |u| u.provider_model(model).to_owned()),
+        tier: tier.map(|t| Arc::from(t.name.as_str())),
+        stream,
+        status,
+        attempts,
+        hedged,
+        arrived,
+        overhead,
+        request_bytes: raw_body.len(),
+        price: upstream.and_then(|u| u.prices.get(u.provider_model(model)).cloned()),
+    };
+    let mut response = match outcome {
+        Outcome::Won(won) => {
+            let upstream = &route.upstreams[won.upstream];
+            let overhead = won.dispatch_delay + won.committed_at.elapsed();
+            let mut info = info(
+                won.status.as_u16(),
+                Some(upstream),
+                won.attempts,
+                won.hedged,
+                overhead,
+            );
+            info.overhead = overhead;
+            let mut recorder = Recorder::new(info);
+            let body = match won.rest {
+                None => {
+                    if let Some(usage) = won.usage {
+                        recorder.set_usage(usage);
+                    }
+                    let total: usize = won.held.iter().map(Bytes::len).sum();
+                    recorder.add_body_bytes(total);
+                    recorder.finish_ok();
+                    drop(recorder);
+                    ProxyBody::full(concat(won.held))
+                }
+                Some(rest) => {
+                    for ev in &won.first_events {
+                        recorder.on_sse_event(ev);
+                    }
+                    ProxyBody::Relay(Box::new(Relay::new(
+                        won.held,
+                        Some(rest),
+                        won.forwarder,
+                        route.settings.idle,
+                        call.deadline,
+                        recorder,
+                        won.permit,
+                    )))
+                }
+            };
+            let mut response = Response::new(body);
+            *response.status_mut() = won.status;
+            copy_response_headers(&won.headers, response.headers_mut());
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-provider",
+                &upstream.name,
+            );
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-attempts",
+                &won.attempts.to_string(),
+            );
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-overhead-us",
+                &overhead.as_micros().to_string(),
+            );
+            response
+        }
+        Outcome::Failed(failed) => {
+            let upstream = failed.upstream.map(|i| &*route.upstreams[i]);
+            let status = failed.response.status();
+            let info = info(
+                status.as_u16(),
+                upstream,
+                failed.attempts,
+                failed.hedged,
+                failed.dispatch_delay,
+            );
+            drop(Recorder::finished(info, Some(failed.error_type)));
+            let mut response = failed.response;
+            if let Some(u) = upstream {
+                set_header(response.headers_mut(), "x-tailwarden-provider", &u.name);
+            }
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-attempts",
+                &failed.attempts.to_string(),
+            );
+            response
+        }
+    };
+    if let Some(tier) = tier {
+        set_header(response.headers_mut(), "x-tailwarden-tier", &tier.name);
+    }
+    set_header(response.headers_mut(), "x-request-id", &request_id);
+    Ok(response)
+}
+
+fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
+    if let Ok(v) = HeaderValue::from_str(value) {
+        headers.insert(name, v);
+    }
+}
+
+fn concat(chunks: VecDeque<Bytes>) -> Bytes {
+    if chunks.len() == 1 {
+        return chunks.into_iter().next().unwrap_or_default();
+    }
+    let mut out = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+    for c in chunks {
+        out.extend_from_slice(&c);
+    }
+    out.freeze()
+}
+
+/// Hop-by-hop and framing headers are the sidecar's own business, never copied.
+fn copy_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if matches!(
+            name.as_str(),
+            "connection"
+                | "keep-alive"
+                | "transfer-encoding"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "proxy-authenticate"
+                | "proxy-connection"
+                | "content-length"
+        ) {
+            continue;
+        }
+        to.append(name.clone(), value.clone());
+    }
+}
+
+/// The attempt that won.
+struct Won {
+    upstream: usize,
+    status: StatusCode,
+    headers: HeaderMap,
+    held: VecDeque<Bytes>,
+    rest: Option<Incoming>,
+    forwarder: Option<SseForwarder>,
+    first_events: Vec<SseEvent>,
+    usage: Option<Usage>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    attempts: u32,
+    hedged: bool,
+    dispatch_delay: Duration,
+    committed_at: Instant,
+}
+
+/// The request failed: the response to send.
+struct Failed {
+    upstream: Option<usize>,
+    response: Response<ProxyBody>,
+    attempts: u32,
+    hedged: bool,
+    error_type: &'static str,
+    dispatch_delay: Duration,
+}
+
+enum Outcome {
+    Won(Box<Won>),
+    Failed(Box<Failed>),
+}
+
+/// One attempt's successful start.
+struct Started {
+    status: StatusCode,
+    headers: HeaderMap,
+    held: VecDeque<Bytes>,
+    rest: Option<Incoming>,
+    forwarder: Option<SseForwarder>,
+    first_events: Vec<SseEvent>,
+    usage: Option<Usage>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// One attempt's failure.
+struct AttemptFailure {
+    kind: FailureKind,
+    retry_after: Option<Duration>,
+    /// The provider's own error response, passed to the client if nothing better comes.
+    response: Option<(StatusCode, HeaderMap, Bytes)>,
+    message: String,
+}
+
+struct AttemptResult {
+    upstream: usize,
+    /// Index into the request's permit list.
+    slot: usize,
+    hedge: bool,
+    started_at: Instant,
+    result: Result<Started, AttemptFailure>,
+}
+
+async fn run(call: &Call<'_>) -> Outcome {
+    let route = call.route;
+    let settings = &route.settings;
+    let metrics = &call.app.metrics;
+    let dispatched = Instant::now();
+    let mut dispatch_delay = Duration::ZERO;
+    route.retry_budget.deposit(std_now());
+    route.hedge_budget.deposit(std_now());
+
+    let mut inflight = FuturesUnordered::new();
+    // Breaker permits of started attempts, reported exactly once (result or cancel).
+    let mut permits: Vec<Option<Permit>> = Vec::new();
+    let mut tried: Vec<usize> = Vec::new();
+    let mut attempts: u32 = 0;
+    let mut hedged = false;
+    let mut last_failure: Option<(usize, AttemptFailure)> = None;
+    let mut retry_at: Option<Instant> = Some(Instant::now());
+    let mut hedge_at: Option<Instant> = None;
+    let mut first_dispatch = true;
+
+    loop {
+        // Start an attempt when one is due.
+        if let Some(at) = retry_at
+            && Instant::now() >= at
+        {
+            retry_at = None;
+            match pick(call, &tried) {
+                Some((idx, permit)) => {
+                    if first_dispatch {
+                        dispatch_delay = dispatched.elapsed();
+                        first_dispatch = false;
+                    }
+                    attempts += 1;
+                    tried.push(idx);
+                    permits.push(Some(permit));
+                    inflight.push(attempt(call, idx, permits.len() - 1, false));
+                    if settings.hedging
+                        && attempts < settings.max_attempts
+                        && hedge_at.is_none()
+                        && !hedged
+                    {
+                        let delay = hedge_delay(route, idx);
+                        hedge_at = Some(Instant::now() + delay);
+                    }
+                }
+                None => {
+                    if let Some(wait) = earliest_cooldown_end(route)
+                        && wait < call.deadline
+                    {
+                        retry_at = Some(wait);
+                        continue;
+                    }
+                    if inflight.is_empty() {
+                        return fail(call, last_failure, attempts, hedged, dispatch_delay, true);
+                    }
+                }
+            }
+        }
+        if inflight.is_empty() && retry_at.is_none() {
+            return fail(call, last_failure, attempts, hedged, dispatch_delay, false);
+        }
+        let retry_sleep = async {
+            match retry_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let hedge_sleep = async {
+            match hedge_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            Some(done) = inflight.next() => {
+                let AttemptResult { upstream: idx, slot, hedge, started_at, result } = done;
+                let upstream = &route.upstreams[idx];
+                let elapsed = started_at.elapsed();
+                let permit = permits.get_mut(slot).and_then(Option::take);
+                match result {
+                    Ok(started) => {
+                        metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, "ok"]).observe(elapsed.as_secs_f64());
+                        record_success(call, idx, permit, elapsed);
+                        if hedged {
+                            metrics.hedges.with_label_values(&[&*route.name, if hedge { "won" } else { "lost" }]).inc();
+                        }
+                        // Dropping `inflight` cancels the losing attempts now.
+                        drop(inflight);
+                        cancel_permits(route, &tried, &mut permits);
+                        return Outcome::Won(Box::new(Won {
+                            upstream: idx,
+                            status: started.status,
+                            headers: started.headers,
+                            held: started.held,
+                            rest: started.rest,
+                            forwarder: started.forwarder,
+                            first_events: started.first_events,
+                            usage: started.usage,
+                            permit: started.permit,
+                            attempts,
+                            hedged,
+                            dispatch_delay,
+                            committed_at: Instant::now(),
+                        }));
+                    }
+                    Err(failure) => {
+                        metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, failure.kind.as_str()]).observe(elapsed.as_secs_f64());
+                        record_failure(call, idx, permit, &failure, elapsed);
+                        let retryable = failure.kind.is_retryable(&settings.retry_classes);
+                        let reason = failure.kind.as_str();
+                        last_failure = Some((idx, failure));
+                        if retryable && attempts < settings.max_attempts && retry_at.is_none() {
+                            if route.retry_budget.try_withdraw(std_now()) {
+                                metrics.retries.with_label_values(&[&*route.name, &*upstream.name, reason]).inc();
+                                let backoff = retry::backoff(
+                                    attempts,
+                                    settings.backoff_base,
+                                    settings.backoff_max,
+                                    rand::rng().random::<f64>(),
+                                );
+                                let at = Instant::now() + backoff;
+                                if at < call.deadline {
+                                    retry_at = Some(at);
+                                }
+                            } else {
+                                tracing::debug!(route = %route.name, "retry budget exhausted; not retrying");
+                                metrics.retries.with_label_values(&[&*route.name, &*upstream.name, "budget_exhausted"]).inc();
+                            }
+                        }
+                    }
+                }
+            }
+            () = retry_sleep => {}
+            () = hedge_sleep => {
+                hedge_at = None;
+                if attempts < settings.max_attempts && route.hedge_budget.try_withdraw(std_now())
+                    && let Some((idx, permit)) = pick(call, &tried) {
+                        attempts += 1;
+                        hedged = true;
+                        tried.push(idx);
+                        permits.push(Some(permit));
+                        metrics.hedges.with_label_values(&[&*route.name, "started"]).inc();
+                        inflight.push(attempt(call, idx, permits.len() - 1, true));
+                    }
+            }
+            () = tokio::time::sleep_until(call.deadline) => {
+                drop(inflight);
+                cancel_permits(route, &tried, &mut permits);
+                let response = ApiError::gateway_timeout(format!(
+                    "No provider answered within the route's total deadline of {} (spec.timeouts.total).",
+                    tailwarden_crds::units::format_duration(settings.total)
+                ))
+                .into_response();
+                return Outcome::Failed(Box::new(Failed {
+                    upstream: last_failure.map(|(i, _)| i),
+                    response,
+                    attempts,
+                    hedged,
+                    error_type: "total_timeout",
+                    dispatch_delay,
+                }));
+            }
+        }
+    }
+}
+
+fn std_now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+/// Picks a provider not tried yet if possible, else any available one, and takes a breaker
+/// permit for it.
+fn pick(call: &Call<'_>, tried: &[usize]) -> Option<(usize, Permit)> {
+    let route = call.route;
+    let now = std_now();
+    let available = |i: usize| {
+        let u = &route.upstreams[i];
+        u.usable()
+            && u.breaker
+                .lock()
+                .map(|b| b.is_available(now))
+                .unwrap_or(false)
+    };
+    let mut rng = rand::rng();
+    let mut exclude: Vec<usize> = tried.to_vec();
+    for _ in 0..=route.upstreams.len() {
+        let choice = route
+            .balancer
+            .pick(now, &mut rng, &exclude, available)
+            .or_else(|| route.balancer.pick(now, &mut rng, &[], available))?;
+        let acquired = route.upstreams[choice]
+            .breaker
+            .lock()
+            .map(|mut b| b.try_acquire(now));
+        if let Ok((result, transition)) = acquired {
+            if let Some(t) = transition {
+                log_transition(call, &route.upstreams[choice], &t);
+            }
+            if let Ok(permit) = result {
+                return Some((choice, permit));
+            }
+        }
+        if exclude.contains(&choice) {
+            return None;
+        }
+        exclude.push(choice);
+    }
+    None
+}
+
+/// Releases the permits of attempts that never reported (cancelled losers).
+fn cancel_permits(route: &Route, tried: &[usize], permits: &mut [Option<Permit>]) {
+    for (slot, permit) in permits.iter_mut().enumerate() {
+        if let (Some(permit), Some(&idx)) = (permit.take(), tried.get(slot))
+            && let Ok(mut b) = route.upstreams[idx].breaker.lock()
+        {
+            b.on_cancel(permit);
+        }
+    }
+}
+
+fn earliest_cooldown_end(route: &Route) -> Option<Instant> {
+    let now = std_now();
+    (0..route.upstreams.len())
+        .filter(|&i| route.upstreams[i].usable())
+        .filter_map(|i| route.balancer.cooling_until(i))
+        .filter(|&until| until > now)
+        .min()
+        .map(Instant::from_std)
+}
+
+fn hedge_delay(route: &Route, idx: usize) -> Duration {
+    let observed = route.upstreams[idx].ttft.p95(std_now());
+    crate::hedge::hedge_delay(route.settings.hedge_mode, observed, route.settings.slo_ttft)
+}
+
+fn record_success(call: &Call<'_>, idx: usize, permit: Option<Permit>, elapsed: Duration) {
+    let route = call.route;
+    let now = std_now();
+    let upstream = &route.upstreams[idx];
+    route.balancer.record_ttft(idx, now, elapsed);
+    upstream.ttft.record(now, elapsed);
+    let Some(permit) = permit else { return };
+    let jitter = rand::rng().random::<f64>();
+    let transition = upstream
+        .breaker
+        .lock()
+        .ok()
+        .and_then(|mut b| b.on_success(permit, now, elapsed, jitter));
+    if let Some(t) = transition {
+        log_transition(call, upstream, &t);
+    }
+}
+
+fn record_failure(
+    call: &Call<'_>,
+    idx: usize,
+    permit: Option<Permit>,
+    failure: &AttemptFailure,
+    elapsed: Duration,
+) {
+    let route = call.route;
+    let now = std_now();
+    let upstream = &route.upstreams[idx];
+    tracing::debug!(route = %route.name, provider = %upstream.name, kind = failure.kind.as_str(), message = %failure.message, "attempt failed");
+    route.balancer.record_latency(idx, now, elapsed);
+    if let Some(permit) = permit
+        && let Ok(mut b) = upstream.breaker.lock()
+    {
+        // A 429 is the provider pacing us: the Retry-After cool-down handles it, so it
+        // does not also count toward opening the circuit.
+        if failure.kind.counts_against_provider() && failure.kind != FailureKind::Status(429) {
+            let jitter = rand::rng().random::<f64>();
+            if let Some(t) = b.on_failure(permit, now, jitter) {
+                drop(b);
+                log_transition(call, upstream, &t);
+            }
+        } else {
+            // Not the provider's health (a 4xx, a 429): no verdict, frees a probe slot.
+            b.on_cancel(permit);
+        }
+    }
+    if let FailureKind::Status(code @ (429 | 503)) = failure.kind {
+        let settings = &route.settings;
+        let wait = match failure.retry_after {
+            Some(d) if settings.honor_retry_after => d.min(settings.max_retry_after),
+            _ if code == 429 => Duration::from_secs(1),
+            _ => Duration::ZERO,
+        };
+        if !wait.is_zero() {
+            route.balancer.cool_down(idx, now + wait);
+        }
+    }
+}
+
+fn log_transition(call: &Call<'_>, upstream: &Upstream, t: &Transition) {
+    let route = &call.route.name;
+    tracing::warn!(route = %route, provider = %upstream.name, from = t.from.as_str(), to = t.to.as_str(), reason = t.reason.as_str(), "circuit breaker transition");
+    let metrics = &call.app.metrics;
+    metrics
+        .breaker_transitions
+        .with_label_values(&[route, &*upstream.name, t.to.as_str(), t.reason.as_str()])
+        .inc();
+    let state = match t.to {
+        State::Closed => 0,
+        State::HalfOpen => 1,
+        State::Open => 2,
+    };
+    metrics
+        .breaker_state
+        .with_label_values(&[route, &upstream.name])
+        .set(state);
+}
+
+/// The response when every attempt failed (or none could start).
+fn fail(
+    call: &Call<'_>,
+    last: Option<(usize, AttemptFailure)>,
+    attempts: u32,
+    hedged: bool,
+    dispatch_delay: Duration,
+    nothing_available: bool,
+) -> Outcome {
+    let route = call.route;
+    let (upstream, response, error_type) = match last {
+        Some((idx, failure)) if !nothing_available || failure.response.is_some() => {
+            let error_type = failure.kind.as_str();
+            let response = match failure.response {
+                Some((status, headers, body)) => {
+                    let mut r = Response::new(ProxyBody::full(body));
+                    *r.status_mut() = status;
+                    copy_response_headers(&headers, r.headers_mut());
+                    r
+                }
+                None => {
+                    let name = &route.upstreams[idx].name;
+                    match failure.kind {
+                        FailureKind::FirstByteTimeout | FailureKind::TotalTimeout => ApiError::gateway_timeout(format!(
+                            "Provider {name} did not respond in time after {attempts} attempt(s): {}", failure.message
+                        )),
+                        _ => ApiError::bad_gateway(format!(
+                            "Provider {name} failed after {attempts} attempt(s): {}", failure.message
+                        )),
+                    }
+                    .into_response()
+                }
+            };
+            (Some(idx), response, error_type)
+        }
+        _ => {
+            let reasons = unavailable_reasons(route);
+            (
+                None,
+                ApiError::upstream_unavailable(format!(
+                    "No provider of route {} is available: {reasons}.",
+                    route.name
+                ))
+                .into_response(),
+                "no_provider_available",
+            )
+        }
+    };
+    Outcome::Failed(Box::new(Failed {
+        upstream,
+        response,
+        attempts,
+        hedged,
+        error_type,
+        dispatch_delay,
+    }))
+}
+
+fn unavailable_reasons(route: &Route) -> String {
+    let now = std_now();
+    route
+        .upstreams
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            let why = if let Some(reason) = u.unusable.lock().ok().and_then(|r| r.clone()) {
+                reason
+            } else if let Some(until) = route.balancer.cooling_until(i).filter(|t| *t > now) {
+                format!(
+                    "cooling down after a 429/503 for {} ms more",
+                    (until - now).as_millis()
+                )
+            } else if u
+                .breaker
+                .lock()
+                .map(|b| !b.is_available(now))
+                .unwrap_or(true)
+            {
+                "circuit breaker open".to_string()
+            } else {
+                "tried".to_string()
+            };
+            format!("{} ({why})", u.name)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Sends one attempt to one provider and waits for its first byte (or, for non-stream
+/// responses, the whole body up to [`BUFFER_LIMIT`]).
+async fn attempt(call: &Call<'_>, idx: usize, slot: usize, hedge: bool) -> AttemptResult {
+    let started_at = Instant::now();
+    // Counts toward the provider's load (P2C cost) until the first byte or failure.
+    let in_flight = call.route.balancer.start(idx);
+    let result = attempt_inner(call, idx).await;
+    drop(in_flight);
+    AttemptResult {
+        upstream: idx,
+        slot,
+        hedge,
+        started_at,
+        result,
+    }
+}
+
+fn failure(kind: FailureKind, message: impl Into<String>) -> AttemptFailure {
+    AttemptFailure {
+        kind,
+        retry_after: None,
+        response: None,
+        message: message.into(),
+    }
+}
+
+async fn attempt_inner(call: &Call<'_>, idx: usize) -> Result<Started, AttemptFailure> {
+    let route = call.route;
+    let settings = &route.settings;
+    let upstream = &route.upstreams[idx];
+    let first_byte_deadline = (Instant::now() + settings.first_byte).min(call.deadline);
+    let timeout_kind = if first_byte_deadline == call.deadline {
+        FailureKind::TotalTimeout
+    } else {
+        FailureKind::FirstByteTimeout
+    };
+
+    let permit = tokio::time::timeout_at(
+        first_byte_deadline,
+        upstream.pool.limit.clone().acquire_owned(),
+    )
+    .await
+    .map_err(|_| failure(timeout_kind, "all maxConnections slots stayed busy"))?
+    .map_err(|_| failure(FailureKind::Connect, "connection pool closed"))?;
+
+    let provider_model = upstream.provider_model(call.model);
+    let body = match call.body.rewrite(provider_model, call.strip_usage) {
+        Some(bytes) => Bytes::from(bytes),
+        None => call.raw_body.clone(),
+    };
+    let uri = http::Uri::builder()
+        .scheme(upstream.scheme.clone())
+        .authority(upstream.authority.clone())
+        .path_and_query(format!("{}{}", upstream.base_path, call.suffix))
+        .build()
+        .map_err(|e| failure(FailureKind::Connect, format!("bad upstream URL: {e}")))?;
+    let mut req = Request::builder()
+        .method(Method::POST)
+        .uri(uri)
+        .body(Full::new(body))
+        .map_err(|e| failure(FailureKind::Connect, format!("cannot build request: {e}")))?;
+    let headers = req.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        header::ACCEPT,
+        if call.stream {
+            HeaderValue::from_static("text/event-stream")
+        } else {
+            HeaderValue::from_static("application/json")
+        },
+    );
+    for (name, value) in call.client_headers {
+        if forwardable(name) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    if !headers.contains_key(header::USER_AGENT) {
+        headers.insert(
+            header::USER_AGENT,
+            HeaderValue::from_static(concat!("tailwarden/", env!("CARGO_PKG_VERSION"))),
+        );
+    }
+    if let Ok(id) = HeaderValue::from_str(call.request_id) {
+        headers.insert("x-request-id", id);
+    }
+    if let Some(value) = upstream.auth_value() {
+        headers.insert(upstream.auth_header.clone(), (*value).clone());
+    }
+
+    let response =
+        match tokio::time::timeout_at(first_byte_deadline, upstream.pool.client.request(req)).await
+        {
+            Err(_) => {
+                return Err(failure(
+                    timeout_kind,
+                    "no response headers before the first-byte deadline",
+                ));
+            }
+            Ok(Err(e)) => {
+                let kind = if e.is_connect() {
+                    FailureKind::Connect
+                } else {
+                    FailureKind::Reset
+                };
+                return Err(failure(kind, error_chain(&e)));
+            }
+            Ok(Ok(r)) => r,
+        };
+    let (parts, mut body) = response.into_parts();
+    let status = parts.status;
+    if !status.is_success() {
+        let retry_after = parts
+            .headers
+            .get(header::RETRY_AFTER)
+            .and_then(|v| retry::parse_retry_after(v.as_bytes(), std::time::SystemTime::now()));
+        let mut collected = BytesMut::new();
+        // The error body is short; read it within the same deadline, bounded in size.
+        let _ = tokio::time::timeout_at(first_byte_deadline, async {
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Ok(data) = frame.into_data() {
+                    let room = ERROR_BODY_LIMIT.saturating_sub(collected.len());
+                    collected.extend_from_slice(&data[..data.len().min(room)]);
+                    if room <= data.len() {
+                        break;
+                    }
+                }
+            }
+        })
+        .await;
+        return Err(AttemptFailure {
+            kind: FailureKind::Status(status.as_u16()),
+            retry_after,
+            message: format!("HTTP {status}"),
+            response: Some((status, parts.headers, collected.freeze())),
+        });
+    }
+
+    let is_sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+
+    if is_sse {
+        // Hold bytes until the first complete frame: an error event before any content is
+        // a failed attempt, still retryable because the client has seen nothing.
+        let mut forwarder = SseForwarder::new(call.strip_usage);
+        let mut held = VecDeque::new();
+        let mut events = Vec::new();
+        loop {
+            let frame = tokio::time::timeout_at(first_byte_deadline, body.frame())
+                .await
+                .map_err(|_| {
+                    failure(timeout_kind, "no first byte before the first-byte deadline")
+                })?;
+            match frame {
+                None => return Err(failure(FailureKind::Reset, "stream ended before any event")),
+                Some(Err(e)) => return Err(failure(FailureKind::Reset, error_chain(&e))),
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    let out = forwarder.forward(data, |ev| events.push(ev));
+                    if !out.is_empty() {
+                        held.push_back(out);
+                    }
+                    let has_event = events.iter().any(|e| !matches!(e, SseEvent::Comment));
+                    if has_event {
+                        let error_first = events
+                            .iter()
+                            .find(|e| !matches!(e, SseEvent::Comment))
+                            .is_some_and(|e| {
+                                matches!(
+                                    e,
+                                    SseEvent::Data {
+                                        error: true,
+                                        has_content: false,
+                                        ..
+                                    }
+                                )
+                            });
+                        if error_first {
+                            return Err(failure(
+                                FailureKind::Status(500),
+                                "the stream started with an error event",
+                            ));
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        return Ok(Started {
+            status,
+            headers: parts.headers,
+            held,
+            rest: Some(body),
+            forwarder: Some(forwarder),
+            first_events: events,
+            usage: None,
+            permit: Some(permit),
+        });
+    }
+
+    // Non-stream: read the whole body (bounded) so mid-body failures stay retryable.
+    let mut held = VecDeque::new();
+    let mut size = 0usize;
+    let mut deadline = first_byte_deadline;
+    loop {
+        let frame = tokio::time::timeout_at(deadline, body.frame())
+            .await
+            .map_err(|_| {
+                if held.is_empty() {
+                    failure(timeout_kind, "no first byte before the first-byte deadline")
+                } else {
+                    failure(FailureKind::IdleTimeout, "the response body stalled")
+                }
+            })?;
+        match frame {
+            None => break,
+            Some(Err(e)) => return Err(failure(FailureKind::Reset, error_chain(&e))),
+            Some(Ok(frame)) => {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                size += data.len();
+                held.push_back(data);
+                deadline = (Instant::now() + settings.idle).min(call.deadline);
+                if size > BUFFER_LIMIT {
+                    return Ok(Started {
+                        status,
+                        headers: parts.headers,
+                        held,
+                        rest: Some(body),
+                        forwarder: None,
+                        first_events: Vec::new(),
+                        usage: None,
+                        permit: Some(permit),
+                    });
+                }
+            }
+        }
+    }
+    let whole = concat(held);
+    let usage = parse_usage(&whole);
+    Ok(Started {
+        status,
+        headers: parts.headers,
+        held: VecDeque::from([whole]),
+        rest: None,
+        forwarder: None,
+        first_events: Vec::new(),
+        usage,
+        permit: None,
+    })
+}
+
+/// Client headers passed to providers: everything but framing, hop-by-hop, credentials
+/// (the sidecar sets the provider's own) and compression (SSE must stay scannable).
+fn forwardable(name: &http::HeaderName) -> bool {
+    !matches!(
+        name.as_str(),
+        "host"
+            | "content-length"
+            | "content-type"
+            | "accept"
+            | "accept-encoding"
+            | "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "expect"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "authorization"
+            | "api-key"
+            | "x-api-key"
+            | "cookie"
+            | "x-request-id"
+    ) && !name.as_str().starts_with("x-tailwarden-")
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Usage of a non-stream response body.
+fn parse_usage(body: &[u8]) -> Option<Usage> {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        usage: Option<RawUsage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct RawUsage {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+        prompt_tokens_details: Option<PromptDetails>,
+        completion_tokens_details: Option<CompletionDetails>,
+    }
+    #[derive(serde::Deserialize)]
+    struct PromptDetails {
+        cached_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct CompletionDetails {
+        reasoning_tokens: Option<u64>,
+    }
+    let parsed: Body = serde_json::from_slice(body).ok()?;
+    let u = parsed.usage?;
+    Some(Usage {
+        input: u.prompt_tokens.unwrap_or(0),
+        cached_input: u
+            .prompt_tokens_details
+            .and_then(|d| d.cached_tokens)
+            .unwrap_or(0),
+        output: u.completion_tokens.unwrap_or(0),
+        reasoning: u
+            .completion_tokens_details
+            .and_then(|d| d.reasoning_tokens)
+            .unwrap_or(0),
+        estimated: false,
+    })
+}

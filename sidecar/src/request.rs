@@ -1,0 +1,344 @@
+//! Reading just enough of a client's JSON body: the top-level fields as raw, unparsed slices.
+//!
+//! The sidecar must validate the JSON, find `model` and `stream`, and sometimes change
+//! `model` (a provider's `modelMap`, a tier) or add `stream_options.include_usage`. It never
+//! parses or re-encodes the rest (messages can be megabytes): each top-level value is kept as
+//! a borrowed [`RawValue`] and copied verbatim when a rewritten body is needed, and the
+//! original bytes are forwarded untouched when nothing changes.
+
+use std::{borrow::Cow, fmt};
+
+use serde::{
+    Deserialize, Deserializer,
+    de::{MapAccess, Visitor},
+};
+use serde_json::value::RawValue;
+
+use crate::error::ApiError;
+
+/// A parsed request body: its top-level members in order, plus the fields routing needs.
+#[derive(Debug)]
+pub struct RequestBody<'a> {
+    members: Vec<(Cow<'a, str>, &'a RawValue)>,
+    /// The requested model.
+    pub model: Cow<'a, str>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// The client asked for the usage chunk itself (`stream_options.include_usage: true`).
+    pub client_wants_usage: bool,
+}
+
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Members<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Self::Value, M::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    let value: &'de RawValue = map.next_value()?;
+                    members.push((key, value));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+impl<'a> RequestBody<'a> {
+    /// Parses a body. Every rejection is a 400 in OpenAI's shape naming the problem.
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, ApiError> {
+        let members = match serde_json::from_slice::<Members<'a>>(bytes) {
+            Ok(Members(m)) => m,
+            Err(e) => {
+                let what = if std::str::from_utf8(bytes).is_err() {
+                    "The request body is not valid UTF-8".to_string()
+                } else {
+                    format!("The request body is not valid JSON ({e})")
+                };
+                return Err(ApiError::bad_request(what));
+            }
+        };
+        let mut model = None;
+        let mut stream = false;
+        let mut client_wants_usage = false;
+        let mut seen = std::collections::HashSet::with_capacity(members.len());
+        for (key, value) in &members {
+            if !seen.insert(key.as_ref()) {
+                return Err(ApiError::bad_request(format!(
+                    "The request body has the member `{key}` twice."
+                )));
+            }
+            match key.as_ref() {
+                "model" => match serde_json::from_str::<Cow<'a, str>>(value.get()) {
+                    Ok(m) if !m.is_empty() => model = Some(m),
+                    _ => {
+                        return Err(ApiError::bad_request("`model` must be a non-empty string.")
+                            .with_param("model"));
+                    }
+                },
+                "stream" => match serde_json::from_str::<Option<bool>>(value.get()) {
+                    Ok(s) => stream = s.unwrap_or(false),
+                    Err(_) => {
+                        return Err(ApiError::bad_request("`stream` must be a boolean.")
+                            .with_param("stream"));
+                    }
+                },
+                "stream_options" => {
+                    match serde_json::from_str::<Option<StreamOptions>>(value.get()) {
+                        Ok(o) => {
+                            client_wants_usage = o.and_then(|o| o.include_usage).unwrap_or(false);
+                        }
+                        Err(_) => {
+                            return Err(ApiError::bad_request(
+                                "`stream_options` must be an object with a boolean `include_usage`.",
+                            )
+                            .with_param("stream_options"));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let Some(model) = model else {
+            return Err(
+                ApiError::bad_request("You must provide a model parameter.").with_param("model")
+            );
+        };
+        Ok(Self {
+            members,
+            model,
+            stream,
+            client_wants_usage,
+        })
+    }
+
+    /// A top-level member's raw JSON, if present.
+    pub fn member(&self, name: &str) -> Option<&'a RawValue> {
+        self.members
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| *v)
+    }
+
+    /// The body to send upstream: `None` means the original bytes can be sent unchanged.
+    /// `model` replaces the model when it differs; `add_usage` asks for the stream usage
+    /// chunk when the client did not.
+    pub fn rewrite(&self, model: &str, add_usage: bool) -> Option<Vec<u8>> {
+        let change_model = model != self.model;
+        let change_usage = add_usage && self.stream && !self.client_wants_usage;
+        if !change_model && !change_usage {
+            return None;
+        }
+        let size: usize = self
+            .members
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum();
+        let mut out = Vec::with_capacity(size + model.len() + 48);
+        out.push(b'{');
+        let mut first = true;
+        let mut push_member = |out: &mut Vec<u8>, key: &str, raw: &str| {
+            if !first {
+                out.push(b',');
+            }
+            first = false;
+            // Keys came from valid JSON; re-encoding a str cannot fail.
+            if serde_json::to_writer(&mut *out, key).is_err() {
+                out.extend_from_slice(b"\"\"");
+            }
+            out.push(b':');
+            out.extend_from_slice(raw.as_bytes());
+        };
+        for (key, raw) in &self.members {
+            match key.as_ref() {
+                "model" if change_model => {
+                    let encoded = serde_json::to_string(model).unwrap_or_default();
+                    push_member(&mut out, key, &encoded);
+                }
+                "stream_options" if change_usage => {}
+                _ => push_member(&mut out, key, raw.get()),
+            }
+        }
+        if change_usage {
+            push_member(&mut out, "stream_options", r#"{"include_usage":true}"#);
+        }
+        out.push(b'}');
+        Some(out)
+    }
+
+    /// Characters of prompt text and the number of messages, for content-based tiers.
+    /// Parses `messages` (or `prompt`) only when a route has tiers.
+    pub fn prompt_stats(&self) -> PromptStats {
+        let mut stats = PromptStats::default();
+        if let Some(raw) = self.member("messages") {
+            if let Ok(messages) = serde_json::from_str::<Vec<Message<'_>>>(raw.get()) {
+                stats.messages = messages.len() as u64;
+                for m in messages {
+                    match m.content {
+                        Some(Content::Text(t)) => stats.push_text(&t),
+                        Some(Content::Parts(parts)) => {
+                            for p in parts {
+                                if let Some(t) = p.text {
+                                    stats.push_text(&t);
+                                }
+                            }
+                        }
+                        None => {}
+                    }
+                }
+            }
+        } else if let Some(raw) = self.member("prompt")
+            && let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw.get())
+        {
+            stats.messages = 1;
+            stats.push_text(&text);
+        }
+        stats
+    }
+}
+
+/// What content-based tiers look at.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PromptStats {
+    pub chars: u64,
+    pub messages: u64,
+    /// All prompt text, lowercased, for keyword rules.
+    pub text_lower: String,
+}
+
+impl PromptStats {
+    fn push_text(&mut self, text: &str) {
+        self.chars += text.chars().count() as u64;
+        if !self.text_lower.is_empty() {
+            self.text_lower.push('\n');
+        }
+        self.text_lower.push_str(&text.to_lowercase());
+    }
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
+    Parts(Vec<Part<'a>>),
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_model_and_stream() {
+        let body =
+            br#"{"model":"gpt-4.1","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        let r = RequestBody::parse(body).unwrap();
+        assert_eq!(r.model, "gpt-4.1");
+        assert!(r.stream);
+        assert!(!r.client_wants_usage);
+    }
+
+    #[test]
+    fn unchanged_body_is_not_rewritten() {
+        let body = br#"{"model":"m","messages":[]}"#;
+        let r = RequestBody::parse(body).unwrap();
+        assert!(
+            r.rewrite("m", true).is_none(),
+            "non-stream never gets stream_options"
+        );
+    }
+
+    #[test]
+    fn rewrite_keeps_other_members_verbatim_and_in_order() {
+        let body = br#"{"messages":[{"role":"user","content":"x  y"}], "model" : "a","temperature":0.70,"stream":true}"#;
+        let r = RequestBody::parse(body).unwrap();
+        let out = r.rewrite("b", true).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"messages":[{"role":"user","content":"x  y"}],"model":"b","temperature":0.70,"stream":true,"stream_options":{"include_usage":true}}"#
+        );
+    }
+
+    #[test]
+    fn client_usage_request_is_respected() {
+        let body = br#"{"model":"a","stream":true,"stream_options":{"include_usage":true}}"#;
+        let r = RequestBody::parse(body).unwrap();
+        assert!(r.client_wants_usage);
+        assert!(r.rewrite("a", true).is_none());
+        let body = br#"{"model":"a","stream":true,"stream_options":{"include_usage":false}}"#;
+        let r = RequestBody::parse(body).unwrap();
+        let out = r.rewrite("a", true).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"model":"a","stream":true,"stream_options":{"include_usage":true}}"#
+        );
+    }
+
+    #[test]
+    fn bad_bodies_get_clear_400s() {
+        let cases: [(&[u8], &str); 8] = [
+            (b"{not json", "The request body is not valid JSON"),
+            (b"[1,2]", "The request body is not valid JSON"),
+            (
+                b"{\"model\":\"\xff\xfe\"}",
+                "The request body is not valid UTF-8",
+            ),
+            (b"{\"messages\":[]}", "You must provide a model parameter."),
+            (b"{\"model\":5}", "`model` must be a non-empty string."),
+            (
+                b"{\"model\":\"m\",\"stream\":\"yes\"}",
+                "`stream` must be a boolean.",
+            ),
+            (
+                b"{\"model\":\"m\",\"model\":\"n\"}",
+                "The request body has the member `model` twice.",
+            ),
+            (b"", "The request body is not valid JSON"),
+        ];
+        for (body, want) in cases {
+            let e = RequestBody::parse(body).unwrap_err();
+            assert_eq!(e.status, http::StatusCode::BAD_REQUEST);
+            assert!(
+                e.message.starts_with(want),
+                "{:?}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn prompt_stats_count_text_parts() {
+        let body = r#"{"model":"m","messages":[{"role":"system","content":"Be brief"},{"role":"user","content":[{"type":"text","text":"Analyse THIS"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        let r = RequestBody::parse(body.as_bytes()).unwrap();
+        let s = r.prompt_stats();
+        assert_eq!(s.messages, 2);
+        assert_eq!(s.chars, 8 + 12);
+        assert!(s.text_lower.contains("analyse this"));
+    }
+}

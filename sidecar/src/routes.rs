@@ -1,0 +1,476 @@
+//! The effective config: validated `InferenceRoute`s compiled into what the request path
+//! needs — a model → route map, each provider's parsed URL, key, pool and policy state.
+//!
+//! A [`RouteTable`] is immutable once built and swapped atomically on reload; requests hold
+//! the `Arc` of the table they started with, so in-flight requests finish on their config.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use arc_swap::ArcSwapOption;
+use http::{HeaderName, HeaderValue, Uri};
+use tailwarden_crds::{InferenceRoute, InferenceRouteSpec, Provider, RetryOn, Tier};
+
+use crate::{
+    accounting::Price,
+    balance::{BalanceSettings, Balancer, EndpointSpec},
+    breaker::{BreakerSettings, CircuitBreaker},
+    hedge::{HedgeMode, QuantileSettings, TtftQuantiles, hedge_budget},
+    retry::{BudgetSettings, RetryBudget, RetryClasses},
+    upstream::{Pool, PoolCache},
+};
+
+/// Where a provider's key comes from at run time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    None,
+    Env(String),
+    File(String),
+}
+
+/// One provider of one route, ready to send to.
+pub struct Upstream {
+    pub name: Arc<str>,
+    /// `scheme://authority`, for pooling.
+    pub origin: String,
+    /// Base URL path without a trailing slash (`/v1`); request suffixes are appended.
+    pub base_path: String,
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    pub key_source: KeySource,
+    pub auth_header: HeaderName,
+    auth_scheme: String,
+    /// The current auth header value; swapped when a key file changes.
+    auth_value: ArcSwapOption<HeaderValue>,
+    /// Why the provider cannot be used (its key is missing), if so.
+    pub unusable: Mutex<Option<String>>,
+    pub model_map: BTreeMap<String, String>,
+    pub prices: HashMap<String, Price>,
+    pub pool: Pool,
+    pub breaker: Mutex<CircuitBreaker>,
+    pub ttft: TtftQuantiles,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        write!(
+            f,
+            "Upstream({} → {}{})",
+            self.name, self.origin, self.base_path
+        )
+    }
+}
+
+impl Upstream {
+    /// The auth header value, if the provider uses a key and it is loaded.
+    pub fn auth_value(&self) -> Option<Arc<HeaderValue>> {
+        self.auth_value.load_full()
+    }
+
+    /// The provider's name for a client model.
+    pub fn provider_model<'a>(&'a self, model: &'a str) -> &'a str {
+        self.model_map.get(model).map_or(model, String::as_str)
+    }
+
+    /// (Re)reads the key from its source. Returns whether the value changed.
+    pub fn refresh_key(&self) -> bool {
+        let loaded = match &self.key_source {
+            KeySource::None => return false,
+            KeySource::Env(var) => {
+                std::env::var(var).map_err(|_| format!("environment variable {var} is not set"))
+            }
+            KeySource::File(path) => std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read key file {path}: {}", e.kind())),
+        };
+        let result = loaded.and_then(|key| {
+            let key = key.trim();
+            if key.is_empty() {
+                return Err("the API key is empty".to_string());
+            }
+            let text = if self.auth_scheme.is_empty() {
+                key.to_owned()
+            } else {
+                format!("{} {key}", self.auth_scheme)
+            };
+            let mut value = HeaderValue::from_str(&text).map_err(|_| {
+                "the API key contains characters not allowed in a header".to_string()
+            })?;
+            value.set_sensitive(true);
+            Ok(value)
+        });
+        let mut unusable = self.unusable.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(value) => {
+                let changed = self.auth_value.load().as_deref() != Some(&value);
+                if changed {
+                    self.auth_value.store(Some(Arc::new(value)));
+                }
+                *unusable = None;
+                changed
+            }
+            Err(reason) => {
+                let changed = unusable.as_deref() != Some(reason.as_str());
+                if changed {
+                    tracing::warn!(provider = %self.name, %reason, "provider key unavailable; the provider is skipped");
+                }
+                self.auth_value.store(None);
+                *unusable = Some(reason);
+                changed
+            }
+        }
+    }
+
+    /// Whether requests can be sent (the key, if any, is loaded).
+    pub fn usable(&self) -> bool {
+        self.unusable.lock().map(|u| u.is_none()).unwrap_or(false)
+    }
+}
+
+/// Route settings converted to what the request path uses.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub connect: Duration,
+    pub first_byte: Duration,
+    pub idle: Duration,
+    pub total: Duration,
+    pub max_attempts: u32,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    pub retry_classes: RetryClasses,
+    pub honor_retry_after: bool,
+    pub max_retry_after: Duration,
+    pub hedging: bool,
+    pub hedge_mode: HedgeMode,
+    pub slo_ttft: Option<Duration>,
+    pub include_usage: bool,
+    pub heartbeat: Option<Duration>,
+    pub max_body_bytes: u64,
+}
+
+/// One route, compiled.
+pub struct Route {
+    pub name: Arc<str>,
+    pub spec: InferenceRouteSpec,
+    pub settings: Settings,
+    pub upstreams: Vec<Arc<Upstream>>,
+    pub balancer: Balancer,
+    pub retry_budget: RetryBudget,
+    pub hedge_budget: RetryBudget,
+    pub tiers: Vec<Tier>,
+}
+
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Route({})", self.name)
+    }
+}
+
+/// The whole effective config.
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    by_model: HashMap<String, Arc<Route>>,
+    default_route: Option<Arc<Route>>,
+    pub routes: Vec<Arc<Route>>,
+    /// The largest body any route accepts: bodies over it are refused before parsing.
+    pub max_body_bytes: u64,
+    /// The source routes, for `/config`.
+    pub source: Vec<InferenceRoute>,
+}
+
+/// Why a valid config still cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    #[error("route {route}: provider {provider}: baseUrl {url:?} cannot be parsed: {reason}")]
+    BaseUrl {
+        route: String,
+        provider: String,
+        url: String,
+        reason: String,
+    },
+    #[error(
+        "route {route}: provider {provider}: auth.header {header:?} is not a valid header name"
+    )]
+    Header {
+        route: String,
+        provider: String,
+        header: String,
+    },
+}
+
+impl RouteTable {
+    /// Compiles validated routes. Pools come from (and stay in) `pools`.
+    pub fn compile(routes: Vec<InferenceRoute>, pools: &PoolCache) -> Result<Self, CompileError> {
+        let mut table = RouteTable::default();
+        let mut in_use = Vec::new();
+        for route in &routes {
+            let compiled = Arc::new(compile_route(route, pools, &mut in_use)?);
+            table.max_body_bytes = table.max_body_bytes.max(compiled.settings.max_body_bytes);
+            for model in &route.spec.models {
+                if model == "*" {
+                    table.default_route = Some(compiled.clone());
+                } else {
+                    table.by_model.insert(model.clone(), compiled.clone());
+                }
+            }
+            table.routes.push(compiled);
+        }
+        pools.retain(&in_use);
+        table.source = routes;
+        Ok(table)
+    }
+
+    /// The route serving a model.
+    pub fn route_for(&self, model: &str) -> Option<&Arc<Route>> {
+        self.by_model.get(model).or(self.default_route.as_ref())
+    }
+
+    /// Client-facing model names, for `GET /v1/models`.
+    pub fn models(&self) -> Vec<&str> {
+        let mut models: Vec<&str> = self.by_model.keys().map(String::as_str).collect();
+        models.sort_unstable();
+        models
+    }
+
+    /// Re-reads key files and env; called periodically so rotated keys apply without restart.
+    pub fn refresh_keys(&self) {
+        for route in &self.routes {
+            for upstream in &route.upstreams {
+                if upstream.refresh_key() {
+                    tracing::info!(route = %route.name, provider = %upstream.name, "provider key (re)loaded");
+                }
+            }
+        }
+    }
+}
+
+fn compile_route(
+    route: &InferenceRoute,
+    pools: &PoolCache,
+    in_use: &mut Vec<(String, Duration, u32)>,
+) -> Result<Route, CompileError> {
+    let name: Arc<str> = tailwarden_crds::load::qualified_name(route).into();
+    let spec = &route.spec;
+    let settings = settings(spec);
+    let cb = &spec.circuit_breaker;
+    // A disabled breaker is one whose thresholds can never be reached.
+    let breaker_settings = BreakerSettings {
+        consecutive_failures: if cb.enabled {
+            cb.consecutive_failures
+        } else {
+            u32::MAX
+        },
+        failure_rate_percent: cb.failure_rate_percent,
+        window: spec.circuit_breaker.window.get(),
+        min_requests: if cb.enabled {
+            cb.min_requests
+        } else {
+            u32::MAX
+        },
+        open_for: spec.circuit_breaker.open_for.get(),
+        max_open_for: spec.circuit_breaker.max_open_for.get(),
+        half_open_probes: spec.circuit_breaker.half_open_probes,
+        slow_call_threshold: cb
+            .slow_call_threshold
+            .as_ref()
+            .filter(|_| cb.enabled)
+            .map(|d| d.get()),
+    };
+    let mut upstreams = Vec::with_capacity(spec.providers.len());
+    let mut endpoints = Vec::with_capacity(spec.providers.len());
+    for provider in &spec.providers {
+        let upstream = compile_upstream(&name, provider, &settings, &breaker_settings, pools)?;
+        in_use.push((
+            upstream.origin.clone(),
+            settings.connect,
+            provider.max_connections,
+        ));
+        endpoints.push(EndpointSpec {
+            name: provider.name.clone(),
+            weight: provider.weight,
+            priority: provider.priority,
+        });
+        upstreams.push(Arc::new(upstream));
+    }
+    let slo_latency = spec
+        .slo
+        .as_ref()
+        .and_then(|s| s.latency_p99.as_ref())
+        .map(|d| d.get());
+    Ok(Route {
+        balancer: Balancer::new(
+            endpoints,
+            BalanceSettings {
+                ttft_budget: settings.slo_ttft,
+                latency_budget: slo_latency,
+                ..BalanceSettings::default()
+            },
+        ),
+        retry_budget: RetryBudget::new(
+            BudgetSettings {
+                percent: f64::from(spec.retries.budget_percent),
+                min_per_second: spec.retries.min_retries_per_second,
+                window: Duration::from_secs(10),
+            },
+            std::time::Instant::now(),
+        ),
+        hedge_budget: hedge_budget(
+            f64::from(spec.hedging.max_percent),
+            std::time::Instant::now(),
+        ),
+        tiers: spec.tiers.clone(),
+        name,
+        spec: spec.clone(),
+        settings,
+        upstreams,
+    })
+}
+
+fn settings(spec: &InferenceRouteSpec) -> Settings {
+    let retry_on = &spec.retries.retry_on;
+    Settings {
+        connect: spec.timeouts.connect.get(),
+        first_byte: spec.timeouts.first_byte.get(),
+        idle: spec.timeouts.idle.get(),
+        total: spec.timeouts.total.get(),
+        max_attempts: spec.retries.max_attempts.max(1),
+        backoff_base: spec.retries.backoff.base.get(),
+        backoff_max: spec.retries.backoff.max.get(),
+        retry_classes: RetryClasses {
+            connect: retry_on.contains(&RetryOn::Connect),
+            reset: retry_on.contains(&RetryOn::Reset),
+            status_5xx: retry_on.contains(&RetryOn::Status5xx),
+            status_429: retry_on.contains(&RetryOn::Status429),
+            first_byte_timeout: retry_on.contains(&RetryOn::FirstByteTimeout),
+        },
+        honor_retry_after: spec.retries.honor_retry_after,
+        max_retry_after: spec.retries.max_retry_after.get(),
+        hedging: spec.hedging.enabled,
+        hedge_mode: spec
+            .hedging
+            .fixed_delay()
+            .map_or(HedgeMode::Auto, HedgeMode::Fixed),
+        slo_ttft: spec
+            .slo
+            .as_ref()
+            .and_then(|s| s.ttft_p99.as_ref())
+            .map(|d| d.get()),
+        include_usage: spec.streaming.include_usage,
+        heartbeat: spec.streaming.heartbeat_interval.as_ref().map(|d| d.get()),
+        max_body_bytes: spec.limits.max_body_bytes.get(),
+    }
+}
+
+fn compile_upstream(
+    route: &str,
+    provider: &Provider,
+    settings: &Settings,
+    breaker_settings: &BreakerSettings,
+    pools: &PoolCache,
+) -> Result<Upstream, CompileError> {
+    let bad_url = |reason: &str| CompileError::BaseUrl {
+        route: route.to_owned(),
+        provider: provider.name.clone(),
+        url: provider.base_url.clone(),
+        reason: reason.to_owned(),
+    };
+    let uri: Uri = provider
+        .base_url
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| bad_url(&e.to_string()))?;
+    let scheme = uri.scheme().cloned().ok_or_else(|| bad_url("no scheme"))?;
+    let authority = uri.authority().cloned().ok_or_else(|| bad_url("no host"))?;
+    let origin = format!("{scheme}://{authority}");
+    let base_path = uri.path().trim_end_matches('/').to_owned();
+
+    let (key_source, header, auth_scheme) = match &provider.auth {
+        None => (KeySource::None, "authorization".to_owned(), String::new()),
+        Some(auth) => {
+            let source = if let Some(env) = &auth.env {
+                KeySource::Env(env.clone())
+            } else if let Some(file) = &auth.file {
+                KeySource::File(file.clone())
+            } else {
+                // secretRef is resolved by the operator into a mounted file; standalone
+                // sidecars cannot read Secrets, so the provider reports why it is skipped.
+                KeySource::File(String::new())
+            };
+            (source, auth.header.clone(), auth.scheme.clone())
+        }
+    };
+    let auth_header =
+        HeaderName::from_bytes(header.to_ascii_lowercase().as_bytes()).map_err(|_| {
+            CompileError::Header {
+                route: route.to_owned(),
+                provider: provider.name.clone(),
+                header: header.clone(),
+            }
+        })?;
+    let mut prices = HashMap::new();
+    for p in &provider.pricing {
+        let input = p.input_per_m_tok.get();
+        prices.insert(
+            p.model.clone(),
+            Price {
+                input,
+                cached_input: p.cached_input_per_m_tok.as_ref().map_or(input, |c| c.get()),
+                output: p.output_per_m_tok.get(),
+            },
+        );
+    }
+    let pool = pools.get(&origin, settings.connect, provider.max_connections);
+    let upstream = Upstream {
+        name: provider.name.as_str().into(),
+        origin,
+        base_path,
+        scheme,
+        authority,
+        key_source: key_source.clone(),
+        auth_header,
+        auth_scheme,
+        auth_value: ArcSwapOption::empty(),
+        unusable: Mutex::new(None),
+        model_map: provider.model_map.clone(),
+        prices,
+        pool,
+        breaker: Mutex::new(CircuitBreaker::new(
+            breaker_settings.clone(),
+            std::time::Instant::now(),
+        )),
+        ttft: TtftQuantiles::new(QuantileSettings::default(), std::time::Instant::now()),
+    };
+    if let KeySource::File(path) = &key_source
+        && path.is_empty()
+    {
+        *upstream.unusable.lock().unwrap_or_else(|p| p.into_inner()) = Some(
+                "auth.secretRef needs the operator: a standalone sidecar reads keys from auth.env or auth.file".into(),
+            );
+        return Ok(upstream);
+    }
+    upstream.refresh_key();
+    if key_source == KeySource::None {
+        *upstream.unusable.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+    Ok(upstream)
+}
+
+/// The first tier whose conditions all hold, if any.
+pub fn choose_tier<'a>(tiers: &'a [Tier], stats: &crate::request::PromptStats) -> Option<&'a Tier> {
+    tiers.iter().find(|tier| {
+        let w = &tier.when;
+        w.max_prompt_chars.is_none_or(|max| stats.chars <= max)
+            && w.min_prompt_chars.is_none_or(|min| stats.chars >= min)
+            && w.max_messages.is_none_or(|max| stats.messages <= max)
+            && (w.any_of_keywords.is_empty()
+                || w.any_of_keywords
+                    .iter()
+                    .any(|k| stats.text_lower.contains(&k.to_lowercase())))
+            && !w
+                .none_of_keywords
+                .iter()
+                .any(|k| stats.text_lower.contains(&k.to_lowercase()))
+    })
+}
