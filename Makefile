@@ -3,18 +3,34 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit lint fmt fmt-check crds crds-check clippy
+.PHONY: all build test unit sdk sdk-deps lint fmt fmt-check crds clippy
 
 all: build
 
 build:
 	$(CARGO) build --workspace --bins
 
-## test: everything CI runs — formatting, lints, unit and integration tests.
-test: fmt-check clippy unit
+## test: everything CI runs — formatting, lints, unit and integration tests, real OpenAI SDKs.
+test: fmt-check clippy unit sdk
 
 unit:
 	$(CARGO) test --workspace --no-fail-fast
+
+## sdk: the real OpenAI Python and Node SDKs against the sidecar and the simulator.
+sdk: sdk-deps
+	$(CARGO) build --bins -p tailwarden-sidecar -p tailwarden-e2e
+	e2e/sdk/run.sh $(CURDIR)/target/debug
+
+sdk-deps: $(CACHE)/venv/.installed e2e/sdk/node_modules/.installed
+
+$(CACHE)/venv/.installed: e2e/sdk/requirements.txt
+	python3 -m venv $(CACHE)/venv
+	$(CACHE)/venv/bin/pip install --quiet --disable-pip-version-check -r e2e/sdk/requirements.txt
+	touch $@
+
+e2e/sdk/node_modules/.installed: e2e/sdk/package.json e2e/sdk/package-lock.json
+	cd e2e/sdk && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
 ## lint: formatting and clippy, warnings are errors.
 lint: fmt-check clippy
