@@ -336,6 +336,11 @@ impl Drop for TempDir {
 
 /// Starts a sidecar on a free port with the given config YAML; reloads every 100 ms.
 pub async fn sidecar(config_yaml: &str) -> Sidecar {
+    sidecar_with(config_yaml, |_| {}).await
+}
+
+/// Like [`sidecar`], with a chance to adjust the app before it starts.
+pub async fn sidecar_with(config_yaml: &str, adjust: impl FnOnce(&mut App)) -> Sidecar {
     let dir = TempDir::new();
     let config = dir.0.join("routes.yaml");
     std::fs::write(&config, config_yaml).unwrap();
@@ -343,7 +348,9 @@ pub async fn sidecar(config_yaml: &str) -> Sidecar {
     let (table, hash): (RouteTable, String) =
         reload::load(&pools, &config).expect("test config is valid");
     let metrics = Arc::new(Metrics::new().unwrap());
-    let app = Arc::new(App::new(table, metrics, pools));
+    let mut app = App::new(table, metrics, pools);
+    adjust(&mut app);
+    let app = Arc::new(app);
     reload::loaded(&app, &config, hash);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
