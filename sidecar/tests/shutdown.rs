@@ -75,11 +75,11 @@ async fn sigterm_drains_in_flight_streams() {
         let req = http::Request::get(format!("http://{admin}/readyz"))
             .body(http_body_util::Full::new(Bytes::new()))
             .unwrap();
-        if let Ok(r) = client.request(req).await {
-            if r.status() == 503 {
-                not_ready = true;
-                break;
-            }
+        if let Ok(r) = client.request(req).await
+            && r.status() == 503
+        {
+            not_ready = true;
+            break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
