@@ -9,12 +9,14 @@
 
 use std::{
     collections::VecDeque,
+    future::Future,
     pin::Pin,
     task::{Context, Poll},
     time::Duration,
 };
 
 use bytes::Bytes;
+use http::{HeaderValue, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
@@ -38,6 +40,93 @@ pub enum BodyError {
 pub enum ProxyBody {
     Full(Option<Bytes>),
     Relay(Box<Relay>),
+    Heartbeat(Box<Heartbeat>),
+}
+
+/// The response still being worked out, for a stream already committed to heartbeats.
+pub type PendingResponse = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>;
+
+/// A stream whose headers went out before its first token: `: ping` comments keep idle
+/// timers of load balancers at bay while the attempts go on; then the real response's
+/// bytes follow, or its error as an SSE error event.
+pub struct Heartbeat {
+    pending: Option<PendingResponse>,
+    ticker: tokio::time::Interval,
+    inner: Option<ProxyBody>,
+}
+
+/// Commits a 200 event stream that pings every `interval` until `pending` resolves.
+pub fn heartbeat_response(pending: PendingResponse, interval: Duration) -> Response<ProxyBody> {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let body = ProxyBody::Heartbeat(Box::new(Heartbeat {
+        pending: Some(pending),
+        ticker,
+        inner: None,
+    }));
+    let mut response = Response::new(body);
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+impl Heartbeat {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        loop {
+            if let Some(inner) = self.inner.as_mut() {
+                return Pin::new(inner).poll_frame(cx);
+            }
+            let Some(pending) = self.pending.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match pending.as_mut().poll(cx) {
+                Poll::Ready(response) => {
+                    self.pending = None;
+                    let status = response.status();
+                    let body = response.into_body();
+                    if status.is_success() {
+                        self.inner = Some(body);
+                        continue;
+                    }
+                    // The status line is gone; the error travels in-band, in the same
+                    // OpenAI shape as the provider's or the sidecar's error body.
+                    let bytes = match body {
+                        ProxyBody::Full(Some(b)) => b,
+                        _ => Bytes::new(),
+                    };
+                    let event = if serde_json::from_slice::<serde_json::Value>(&bytes)
+                        .is_ok_and(|v| v.get("error").is_some())
+                    {
+                        let mut e = Vec::with_capacity(bytes.len() + 8);
+                        e.extend_from_slice(b"data: ");
+                        e.extend_from_slice(&bytes);
+                        e.extend_from_slice(b"\n\n");
+                        Bytes::from(e)
+                    } else {
+                        sse::error_event(
+                            &format!("The request failed with status {status}."),
+                            "server_error",
+                            Some("upstream_error"),
+                        )
+                    };
+                    self.inner = Some(ProxyBody::full(event));
+                    continue;
+                }
+                Poll::Pending => {
+                    return match self.ticker.poll_tick(cx) {
+                        Poll::Ready(_) => {
+                            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(sse::HEARTBEAT)))))
+                        }
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for ProxyBody {
@@ -45,6 +134,7 @@ impl std::fmt::Debug for ProxyBody {
         match self {
             ProxyBody::Full(b) => write!(f, "Full({:?} bytes)", b.as_ref().map(Bytes::len)),
             ProxyBody::Relay(_) => f.write_str("Relay"),
+            ProxyBody::Heartbeat(_) => f.write_str("Heartbeat"),
         }
     }
 }
@@ -138,6 +228,7 @@ impl Body for ProxyBody {
         let relay = match self.get_mut() {
             ProxyBody::Full(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Relay(relay) => relay,
+            ProxyBody::Heartbeat(h) => return h.poll(cx),
         };
         if let Some(bytes) = relay.held.pop_front() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
@@ -198,6 +289,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(b) => b.is_none(),
             ProxyBody::Relay(r) => r.held.is_empty() && r.upstream.is_none(),
+            ProxyBody::Heartbeat(_) => false,
         }
     }
 
@@ -205,7 +297,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
-            ProxyBody::Relay(_) => SizeHint::default(),
+            ProxyBody::Relay(_) | ProxyBody::Heartbeat(_) => SizeHint::default(),
         }
     }
 }

@@ -179,7 +179,7 @@ struct Call<'a> {
 }
 
 async fn proxy(
-    app: &App,
+    app: &Arc<App>,
     req: Request<Incoming>,
     suffix: &'static str,
     arrived: Instant,
@@ -194,25 +194,59 @@ async fn proxy(
     if raw_body.len() as u64 > route.settings.max_body_bytes {
         return Err(ApiError::too_large(route.settings.max_body_bytes));
     }
+    let heartbeat = route
+        .settings
+        .heartbeat
+        .filter(|_| body.stream && suffix != "/embeddings");
+    let Some(interval) = heartbeat else {
+        return Ok(respond(app, route, &headers, &raw_body, &body, suffix, arrived).await);
+    };
+    // Heartbeats: wait up to one interval for the response as usual; if it is not there yet,
+    // commit a 200 event stream and send `: ping` comments while the attempts (retries and
+    // fallback included) go on in the body. The owned future re-parses the body, which
+    // parsed once already.
+    let (app, route) = (app.clone(), route.clone());
+    let mut pending = Box::pin(async move {
+        match RequestBody::parse(&raw_body) {
+            Ok(body) => respond(&app, &route, &headers, &raw_body, &body, suffix, arrived).await,
+            Err(e) => e.into_response(),
+        }
+    });
+    tokio::select! {
+        response = &mut pending => Ok(response),
+        () = tokio::time::sleep(interval) => Ok(crate::body::heartbeat_response(pending, interval)),
+    }
+}
+
+/// Runs the attempts for a parsed request and builds the client response.
+async fn respond(
+    app: &App,
+    route: &Arc<Route>,
+    headers: &HeaderMap,
+    raw_body: &Bytes,
+    body: &RequestBody<'_>,
+    suffix: &'static str,
+    arrived: Instant,
+) -> Response<ProxyBody> {
     let tier = if route.tiers.is_empty() {
         None
     } else {
         choose_tier(&route.tiers, &body.prompt_stats())
     };
     let model = tier.map_or(body.model.as_ref(), |t| t.model.as_str());
-    let request_id = app.request_id(&headers);
+    let request_id = app.request_id(headers);
     let stream = body.stream && suffix != "/embeddings";
     let call = Call {
         app,
         route,
         suffix,
-        client_headers: &headers,
+        client_headers: headers,
         request_id: &request_id,
         stream,
         strip_usage: stream && route.settings.include_usage && !body.client_wants_usage,
         model,
-        body: &body,
-        raw_body: &raw_body,
+        body,
+        raw_body,
         deadline: arrived + route.settings.total,
     };
     let outcome = run(&call).await;
@@ -323,7 +357,7 @@ async fn proxy(
         set_header(response.headers_mut(), "x-tailwarden-tier", &tier.name);
     }
     set_header(response.headers_mut(), "x-request-id", &request_id);
-    Ok(response)
+    response
 }
 
 fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {

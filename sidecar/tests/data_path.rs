@@ -467,3 +467,70 @@ async fn model_map_rewrites_only_the_model_and_auth_comes_from_env() {
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "model_not_found");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_a_slow_stream_alive_and_fallback_still_works() {
+    // The primary answers 503 only after 1.3 s: heartbeats have gone out by then, yet the
+    // client has seen only comments, so falling back to the backup is still invisible.
+    let primary = upstream(|_, _| Script::Respond {
+        delay: MS(1300),
+        status: 503,
+        headers: vec![],
+        body: "{}".into(),
+    })
+    .await;
+    let backup = upstream(|_, _| Script::Stream {
+        first_delay: MS(200),
+        chunks: vec![
+            (Duration::ZERO, sse_chunk("late")),
+            (Duration::ZERO, DONE.to_string()),
+        ],
+        end: StreamEnd::Finish,
+    })
+    .await;
+    let sc = sidecar(&route(
+        &[
+            ("primary", &primary.base_url(), 100, 0),
+            ("backup", &backup.base_url(), 100, 1),
+        ],
+        "  streaming: {heartbeatInterval: 1s}\n  retries: {backoff: {base: 1ms, max: 2ms}}\n",
+    ))
+    .await;
+    let r = chat(&sc, true).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), "text/event-stream");
+    assert!(r.body.starts_with(": ping\n\n"), "{}", r.body);
+    assert!(
+        r.body.ends_with(&format!("{}{}", sse_chunk("late"), DONE)),
+        "{}",
+        r.body
+    );
+
+    // When every provider fails after the heartbeats began, the error arrives as an event.
+    let sc = sidecar(&route(
+        &[("primary", &primary.base_url(), 100, 0)],
+        "  streaming: {heartbeatInterval: 1s}\n  retries: {maxAttempts: 1}\n",
+    ))
+    .await;
+    let r = chat(&sc, true).await;
+    assert_eq!(r.status, 200);
+    assert!(r.body.starts_with(": ping\n\n"), "{}", r.body);
+    let last = r
+        .body
+        .trim_end()
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(last.starts_with("data: {"), "{}", r.body);
+
+    // A fast stream never sees a heartbeat.
+    let sc = sidecar(&route(
+        &[("backup", &backup.base_url(), 100, 0)],
+        "  streaming: {heartbeatInterval: 1s}\n",
+    ))
+    .await;
+    let r = chat(&sc, true).await;
+    assert_eq!(r.body, format!("{}{}", sse_chunk("late"), DONE));
+    assert_eq!(r.header("x-tailwarden-provider"), "backup");
+}
