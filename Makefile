@@ -44,6 +44,7 @@ fmt:
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
-## crds: regenerate crds/inferenceroute.yaml from the Rust types (a test fails on drift).
+## crds: regenerate the CRD and the field reference from the Rust types (a test fails on drift).
 crds:
 	$(CARGO) run -q -p tailwarden-operator -- crd > crds/inferenceroute.yaml
+	$(CARGO) run -q -p tailwarden-operator -- reference > docs/inferenceroute-reference.md

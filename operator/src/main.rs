@@ -19,11 +19,14 @@ struct Cli {
 enum Command {
     /// Print the InferenceRoute CustomResourceDefinition as YAML.
     Crd,
+    /// Print the Markdown field reference generated from the same schema.
+    Reference,
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crd => print!("{}", tailwarden_crds::crd::crd_yaml()?),
+        Command::Reference => print!("{}", tailwarden_crds::crd::reference_markdown()?),
     }
     Ok(())
 }
