@@ -10,6 +10,7 @@ pub mod admin;
 pub mod balance;
 pub mod body;
 pub mod breaker;
+pub mod dns;
 pub mod error;
 pub mod hedge;
 pub mod metrics;

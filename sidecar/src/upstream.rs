@@ -3,8 +3,9 @@
 //! Keep-alive pooling is the first fix of every seed document (connection set-up is a large
 //! part of an LLM call's tail). Each client has TCP_NODELAY, a connect timeout, HTTP/2 when
 //! the provider offers it over TLS (ALPN), an idle-connection expiry driven by a tokio timer
-//! (without a pool timer hyper never expires idle connections), and a semaphore that caps
-//! concurrent requests at `maxConnections` (for HTTP/1 that is the connection count).
+//! (without a pool timer hyper never expires idle connections), a caching DNS resolver, and
+//! a semaphore that caps concurrent requests at `maxConnections` (for HTTP/1 that is the
+//! connection count).
 //! Clients are cached across config reloads, so a reload never throws warm connections away.
 
 use std::{
@@ -22,10 +23,12 @@ use hyper_util::{
 };
 use tokio::sync::Semaphore;
 
+use crate::dns::CachingResolver;
+
 /// The request body type sent upstream: the (possibly rewritten) client body, in memory.
 pub type UpstreamBody = Full<Bytes>;
 /// A pooled client.
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
+pub type HttpClient = Client<HttpsConnector<HttpConnector<CachingResolver>>, UpstreamBody>;
 
 /// How long an unused pooled connection is kept. Providers close idle connections after
 /// 60–120 s; closing ours first avoids sending on a connection the server is closing.
@@ -95,7 +98,7 @@ impl PoolCache {
 }
 
 fn build_client(connect_timeout: Duration, max_connections: u32) -> HttpClient {
-    let mut http = HttpConnector::new();
+    let mut http = HttpConnector::new_with_resolver(CachingResolver::default());
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));

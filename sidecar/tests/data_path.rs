@@ -534,3 +534,25 @@ async fn heartbeats_keep_a_slow_stream_alive_and_fallback_still_works() {
     assert_eq!(r.body, format!("{}{}", sse_chunk("late"), DONE));
     assert_eq!(r.header("x-tailwarden-provider"), "backup");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_clients_and_hostname_upstreams_work() {
+    let up = upstream(|_, _| ok("over h2c")).await;
+    // A host name, not an IP: exercises the caching resolver.
+    let base = format!("http://localhost:{}/v1", up.addr.port());
+    let sc = sidecar(&route(&[("p", &base, 100, 0)], "")).await;
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    for _ in 0..3 {
+        let req = http::Request::post(sc.url("/v1/chat/completions"))
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                br#"{"model":"m","messages":[]}"#,
+            )))
+            .unwrap();
+        let resp = h2.request(req).await.unwrap();
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(up.count(), 3);
+}
