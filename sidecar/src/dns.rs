@@ -23,9 +23,12 @@ pub const TTL: Duration = Duration::from_secs(30);
 /// How long a stale answer may stand in when the resolver fails.
 pub const STALE_FOR: Duration = Duration::from_secs(300);
 
+/// Host → (addresses, when they were looked up).
+type Cache = HashMap<String, (Vec<SocketAddr>, Instant)>;
+
 #[derive(Clone, Default)]
 pub struct CachingResolver {
-    cache: Arc<Mutex<HashMap<String, (Vec<SocketAddr>, Instant)>>>,
+    cache: Arc<Mutex<Cache>>,
 }
 
 impl std::fmt::Debug for CachingResolver {
