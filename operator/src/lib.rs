@@ -1,0 +1,7 @@
+//! tailwarden-operator: the control plane. Reconciles `InferenceRoute`s into sidecar config
+//! ConfigMaps with status, and injects the sidecar into pods through a mutating webhook.
+//!
+//! Decisions are pure (`render`, `status`, `inject`); I/O lives in `controller`, `webhook`,
+//! `certs` and `leader`.
+
+pub mod consts;
