@@ -48,3 +48,13 @@ fmt-check:
 crds:
 	$(CARGO) run -q -p tailwarden-operator -- crd > crds/inferenceroute.yaml
 	$(CARGO) run -q -p tailwarden-operator -- reference > docs/inferenceroute-reference.md
+
+# Release binaries land here (honours CARGO_TARGET_DIR like cargo does).
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
+
+## demo: the seeds' before/after table, measured live on simulated providers — a flaky
+## primary and a backup — straight vs through tailwarden-sidecar. No cluster, nothing to
+## install beyond the build; about two minutes after it. Extra flags: make demo DEMO_ARGS='--rate 80'.
+demo:
+	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
+	$(TARGET_DIR)/release/tailwarden-demo $(DEMO_ARGS)

@@ -5,11 +5,21 @@
 //!   from a real provider.
 //! * [`bench`] — `tailwarden-bench`, an open-loop load generator that reports latency, TTFT
 //!   and inter-token percentiles measured from each request's *scheduled* start.
-//! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax both command lines share.
+//! * [`demo`] — `tailwarden-demo` (`make demo`): the same load straight at a flaky simulated
+//!   provider and through the real sidecar, side by side.
+//! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax the command lines share.
+//! * [`proc`], [`sidecar`], [`fetch`], [`machine`] — child processes (process groups, RSS),
+//!   the sidecar binary, a blocking control-plane HTTP client, and the machine description
+//!   printed with every table.
 //!
 //! The binaries in `src/bin` are thin wrappers; everything is a library so tests and the
-//! future `make demo` program can run both tools in-process.
+//! demo can run the tools in-process.
 
 pub mod bench;
+pub mod demo;
 pub mod duration;
+pub mod fetch;
+pub mod machine;
+pub mod proc;
+pub mod sidecar;
 pub mod sim;
