@@ -58,3 +58,14 @@ TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 demo:
 	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
 	$(TARGET_DIR)/release/tailwarden-demo $(DEMO_ARGS)
+
+## bench: tailwarden-sidecar's overhead next to nginx, LiteLLM and Portkey (installed pinned
+## into .cache/ by bench-peers), plus the flaky/brownout tail cut; writes docs/benchmarks.md.
+## About 15 minutes on 2 cores after the build. Not part of `make test`.
+bench: bench-peers
+	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
+	$(TARGET_DIR)/release/tailwarden-benchmark --cache $(CACHE) $(BENCH_ARGS)
+
+## bench-peers: install the peer gateways for `make bench` (pinned, cached, idempotent).
+bench-peers:
+	bash e2e/bench/install-peers.sh $(CACHE)

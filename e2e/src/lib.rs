@@ -7,6 +7,8 @@
 //!   and inter-token percentiles measured from each request's *scheduled* start.
 //! * [`demo`] — `tailwarden-demo` (`make demo`): the same load straight at a flaky simulated
 //!   provider and through the real sidecar, side by side.
+//! * [`benchmark`] — `tailwarden-benchmark` (`make bench`): the sidecar's overhead next to
+//!   nginx, LiteLLM and Portkey, and the tail-cut scenario; writes `docs/benchmarks.md`.
 //! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax the command lines share.
 //! * [`proc`], [`sidecar`], [`fetch`], [`machine`] — child processes (process groups, RSS),
 //!   the sidecar binary, a blocking control-plane HTTP client, and the machine description
@@ -16,6 +18,7 @@
 //! demo can run the tools in-process.
 
 pub mod bench;
+pub mod benchmark;
 pub mod demo;
 pub mod duration;
 pub mod fetch;
