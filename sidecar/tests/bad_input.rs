@@ -117,43 +117,66 @@ async fn oversized_bodies_are_413_with_or_without_content_length() {
         r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
         "x".repeat(20 << 20)
     );
-    // With Content-Length: refused before reading.
-    let r = post(&sc, "/v1/chat/completions", &big).await;
-    assert_openai_error(
-        &r,
-        413,
-        "The request body is larger than the route's limit of 1048576 bytes",
+    // With Content-Length: refused before reading. The sidecar answers and closes without
+    // draining the body, so write and read concurrently (a client that only reads after
+    // writing everything would see a broken pipe instead).
+    let text = send_raw(
+        sc.addr,
+        format!("content-length: {}\r\n", big.len()),
+        big.clone(),
+        false,
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(
+        text.contains("The request body is larger than the route's limit of 1048576 bytes"),
+        "{text}"
     );
 
-    // Chunked, no Content-Length: cut off at the limit while reading. The sidecar answers
-    // 413 and closes without draining the rest, so write and read concurrently.
-    let stream = tokio::net::TcpStream::connect(sc.addr).await.unwrap();
-    let (mut rd, mut wr) = stream.into_split();
-    let writer = tokio::spawn(async move {
-        let head =
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n";
-        if wr.write_all(head).await.is_err() {
-            return;
-        }
-        for chunk in big.as_bytes().chunks(64 << 10) {
-            let frame = format!("{:x}\r\n", chunk.len());
-            if wr.write_all(frame.as_bytes()).await.is_err()
-                || wr.write_all(chunk).await.is_err()
-                || wr.write_all(b"\r\n").await.is_err()
-            {
-                return;
-            }
-        }
-        let _ = wr.write_all(b"0\r\n\r\n").await;
-    });
-    let mut response = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), rd.read_to_end(&mut response)).await;
-    writer.abort();
-    let text = String::from_utf8_lossy(&response);
+    // Chunked, no Content-Length: cut off at the limit while reading.
+    let text = send_raw(sc.addr, "transfer-encoding: chunked\r\n".into(), big, true).await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     assert!(text.contains("maxBodyBytes"), "{text}");
     assert_eq!(up.count(), 0);
     still_healthy(&sc, &up).await;
+}
+
+/// Posts `body` over a raw connection, writing and reading at once; returns the response.
+async fn send_raw(
+    addr: std::net::SocketAddr,
+    framing: String,
+    body: String,
+    chunked: bool,
+) -> String {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{framing}\r\n");
+        if wr.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        for chunk in body.as_bytes().chunks(64 << 10) {
+            let ok = if chunked {
+                wr.write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+                    .await
+                    .is_ok()
+                    && wr.write_all(chunk).await.is_ok()
+                    && wr.write_all(b"\r\n").await.is_ok()
+            } else {
+                wr.write_all(chunk).await.is_ok()
+            };
+            if !ok {
+                return;
+            }
+        }
+        if chunked {
+            let _ = wr.write_all(b"0\r\n\r\n").await;
+        }
+    });
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut response)).await;
+    writer.abort();
+    String::from_utf8_lossy(&response).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

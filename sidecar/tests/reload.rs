@@ -113,7 +113,14 @@ async fn invalid_config_keeps_the_last_good_one_and_says_why() {
     let good = route(&[("a", &a.base_url(), 100, 0)], "");
     let sc = sidecar(&good).await;
     write_atomically(&sc.config, &good.replace("weight: 100", "weight: 500"));
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let app = sc.app.clone();
+    assert!(
+        wait_until(Duration::from_secs(10), || app
+            .config_status()
+            .last_error
+            .is_some())
+        .await
+    );
     let r = chat(&sc, false).await;
     assert_eq!(r.status, 200, "still serving the last good config");
     let status = sc.app.config_status();
@@ -137,8 +144,13 @@ async fn invalid_config_keeps_the_last_good_one_and_says_why() {
 
     // A fixed file is picked up and clears the error.
     write_atomically(&sc.config, &good.replace("weight: 100", "weight: 50"));
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(sc.app.config_status().last_error.is_none());
+    assert!(
+        wait_until(Duration::from_secs(10), || app
+            .config_status()
+            .last_error
+            .is_none())
+        .await
+    );
     let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
     assert!(
         metrics.contains("tailwarden_config_last_load_valid 1"),

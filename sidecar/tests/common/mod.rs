@@ -447,3 +447,18 @@ pub async fn chat(sc: &Sidecar, stream: bool) -> Reply {
     )
     .await
 }
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes; returns whether it held.
+/// For effects of background work (reloads, key re-reads) whose timing depends on load.
+pub async fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
