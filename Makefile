@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit sdk sdk-deps lint fmt fmt-check crds clippy
+.PHONY: all build test unit sdk sdk-deps lint fmt fmt-check crds clippy controlplane-smoke
 
 all: build
 
@@ -69,3 +69,8 @@ bench: bench-peers
 ## bench-peers: install the peer gateways for `make bench` (pinned, cached, idempotent).
 bench-peers:
 	bash e2e/bench/install-peers.sh $(CACHE)
+
+## controlplane-smoke: a real kube-apiserver/etcd/KCM/scheduler/kwok on loopback (built once
+## from the Go module proxy into .cache/controlplane) accepts our CRD and examples, rejects bad routes.
+controlplane-smoke:
+	e2e/controlplane/smoke.sh
