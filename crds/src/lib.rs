@@ -11,6 +11,6 @@ pub mod load;
 pub mod route;
 pub mod units;
 
-pub use load::{ConfigIssue, LoadError, load_file, load_str};
+pub use load::{ConfigIssue, LoadError, load_file, load_sources, load_str};
 pub use route::*;
 pub use units::{ByteSize, Decimal, DurationString, UnitError};

@@ -19,6 +19,8 @@ pub const KIND: &str = "InferenceRoute";
 /// One problem in a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigIssue {
+    /// The file the problem is in.
+    pub file: String,
     /// 1-based index of the YAML document in the file.
     pub document: usize,
     /// `namespace/name` of the route, when it could be read.
@@ -52,8 +54,8 @@ pub enum LoadError {
         #[source]
         source: std::io::Error,
     },
-    /// The file was read but holds invalid routes.
-    #[error("{file}: {}", render_issues(.issues))]
+    /// The file (or directory of files) was read but holds invalid routes.
+    #[error("{file}: {}", render_issues(.file, .issues))]
     Invalid {
         file: String,
         issues: Vec<ConfigIssue>,
@@ -70,35 +72,101 @@ impl LoadError {
     }
 }
 
-fn render_issues(issues: &[ConfigIssue]) -> String {
+/// Issues of the named file print as before; issues of files inside a directory are
+/// prefixed with their file.
+fn render_issues(file: &str, issues: &[ConfigIssue]) -> String {
+    let one = |issue: &ConfigIssue| {
+        if issue.file == file {
+            issue.to_string()
+        } else {
+            format!("{}: {issue}", issue.file)
+        }
+    };
     match issues {
-        [one] => one.to_string(),
+        [single] => one(single),
         many => {
             let mut out = format!("{} problems:", many.len());
             for issue in many {
                 out.push_str("\n  ");
-                out.push_str(&issue.to_string());
+                out.push_str(&one(issue));
             }
             out
         }
     }
 }
 
-/// Reads and validates a config file.
+/// Reads and validates a config file, or every `*.yaml`/`*.yml` file of a directory (as the
+/// operator's projected ConfigMap volume provides, one file per route), in name order.
 pub fn load_file(path: &Path) -> Result<Vec<InferenceRoute>, LoadError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+    let read_err = |source| LoadError::Read {
         file: file.clone(),
         source,
-    })?;
+    };
+    if path.is_dir() {
+        let mut names: Vec<_> = std::fs::read_dir(path)
+            .map_err(read_err)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                !name.starts_with('.')
+                    && (name.ends_with(".yaml") || name.ends_with(".yml"))
+                    && p.is_file()
+            })
+            .collect();
+        names.sort();
+        let mut sources = Vec::with_capacity(names.len());
+        for name in names {
+            let text = std::fs::read_to_string(&name).map_err(|source| LoadError::Read {
+                file: name.display().to_string(),
+                source,
+            })?;
+            sources.push((name.display().to_string(), text));
+        }
+        return load_sources(&file, &sources);
+    }
+    let text = std::fs::read_to_string(path).map_err(read_err)?;
     load_str(&file, &text)
 }
 
 /// Validates config text; `file` names it in messages.
 pub fn load_str(file: &str, text: &str) -> Result<Vec<InferenceRoute>, LoadError> {
-    let mut issues = Vec::new();
-    let mut routes: Vec<(usize, InferenceRoute)> = Vec::new();
+    load_sources(file, &[(file.to_owned(), text.to_owned())])
+}
 
+/// Validates several files as one config (`label` names the whole in messages): each file
+/// on its own, then the rules across all routes (a model served twice, a route twice).
+pub fn load_sources(label: &str, sources: &[(String, String)]) -> Result<Vec<InferenceRoute>, LoadError> {
+    let mut issues = Vec::new();
+    let mut routes: Vec<(String, usize, InferenceRoute)> = Vec::new();
+    for (file, text) in sources {
+        load_one(file, text, &mut routes, &mut issues);
+    }
+    check_across_routes(&routes, &mut issues);
+    if issues.is_empty() {
+        Ok(routes.into_iter().map(|(_, _, r)| r).collect())
+    } else {
+        Err(LoadError::Invalid {
+            file: label.to_owned(),
+            issues,
+        })
+    }
+}
+
+fn load_one(
+    file: &str,
+    text: &str,
+    routes: &mut Vec<(String, usize, InferenceRoute)>,
+    issues: &mut Vec<ConfigIssue>,
+) {
+    let issue = |document: usize, route: Option<String>, field: &str, message: String| ConfigIssue {
+        file: file.to_owned(),
+        document,
+        route,
+        field: field.to_owned(),
+        message,
+    };
     for (index, document) in serde_norway::Deserializer::from_str(text).enumerate() {
         let number = index + 1;
         // First as a generic value: skips empty documents, reads the route's name for
@@ -183,48 +251,49 @@ pub fn load_str(file: &str, text: &str) -> Result<Vec<InferenceRoute>, LoadError
             }
             continue;
         }
-        routes.push((number, route));
-    }
-
-    check_across_routes(&routes, &mut issues);
-
-    if issues.is_empty() {
-        Ok(routes.into_iter().map(|(_, r)| r).collect())
-    } else {
-        Err(LoadError::Invalid {
-            file: file.to_owned(),
-            issues,
-        })
+        routes.push((file.to_owned(), number, route));
     }
 }
 
 /// Rules no single object can check: names and models must not be claimed twice.
-fn check_across_routes(routes: &[(usize, InferenceRoute)], issues: &mut Vec<ConfigIssue>) {
-    let mut names: BTreeMap<String, usize> = BTreeMap::new();
-    let mut models: BTreeMap<&str, (usize, String)> = BTreeMap::new();
-    for (number, route) in routes {
+fn check_across_routes(routes: &[(String, usize, InferenceRoute)], issues: &mut Vec<ConfigIssue>) {
+    let mut names: BTreeMap<String, (&str, usize)> = BTreeMap::new();
+    let mut models: BTreeMap<&str, (&str, usize, String)> = BTreeMap::new();
+    let here = |other_file: &str, file: &str, doc: usize| {
+        if other_file == file {
+            format!("document {doc}")
+        } else {
+            format!("{other_file} document {doc}")
+        }
+    };
+    for (file, number, route) in routes {
         let name = qualified_name(route);
-        if let Some(first) = names.insert(name.clone(), *number) {
+        let issue = |field: &str, message: String| ConfigIssue {
+            file: file.clone(),
+            document: *number,
+            route: Some(name.clone()),
+            field: field.to_owned(),
+            message,
+        };
+        if let Some((first_file, first)) = names.get(&name) {
             issues.push(issue(
-                *number,
-                Some(name.clone()),
                 "metadata.name",
-                format!("route {name} is already defined in document {first}"),
+                format!("route {name} is already defined in {}", here(first_file, file, *first)),
             ));
             continue;
         }
+        names.insert(name.clone(), (file, *number));
         for (i, model) in route.spec.models.iter().enumerate() {
             match models.get(model.as_str()) {
-                Some((first, other)) => issues.push(issue(
-                    *number,
-                    Some(name.clone()),
+                Some((first_file, first, other)) => issues.push(issue(
                     &format!("spec.models[{i}]"),
                     format!(
-                        "model {model:?} is already served by route {other} (document {first})"
+                        "model {model:?} is already served by route {other} ({})",
+                        here(first_file, file, *first)
                     ),
                 )),
                 None => {
-                    models.insert(model, (*number, name.clone()));
+                    models.insert(model, (file, *number, name.clone()));
                 }
             }
         }
@@ -253,11 +322,3 @@ fn route_name(value: &serde_norway::Value) -> Option<String> {
     Some(format!("{namespace}/{name}"))
 }
 
-fn issue(document: usize, route: Option<String>, field: &str, message: String) -> ConfigIssue {
-    ConfigIssue {
-        document,
-        route,
-        field: field.to_owned(),
-        message,
-    }
-}

@@ -750,3 +750,38 @@ fn every_example_loads() {
         "expected at least three examples, found {count}"
     );
 }
+
+#[test]
+fn a_directory_of_route_files_loads_as_one_config() {
+    let dir = std::env::temp_dir().join(format!("tw-crds-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let route = |name: &str, model: &str| {
+        format!(
+            "apiVersion: tailwarden.io/v1alpha1\nkind: InferenceRoute\nmetadata: {{name: {name}}}\nspec:\n  models: [{model}]\n  providers: [{{name: p, baseUrl: 'http://127.0.0.1:1/v1'}}]\n"
+        )
+    };
+    std::fs::write(dir.join("a.yaml"), route("a", "m1")).expect("write");
+    std::fs::write(dir.join("b.yaml"), route("b", "m2")).expect("write");
+    std::fs::write(dir.join("notes.txt"), "ignored").expect("write");
+    std::fs::write(dir.join(".hidden.yaml"), "ignored: [").expect("write");
+    let routes = tailwarden_crds::load_file(&dir).expect("two files");
+    assert_eq!(routes.len(), 2);
+
+    std::fs::write(dir.join("b.yaml"), route("b", "m1")).expect("write");
+    let err = tailwarden_crds::load_file(&dir).expect_err("model twice");
+    let a = dir.join("a.yaml").display().to_string();
+    let b = dir.join("b.yaml").display().to_string();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: {b}: document 1 (route default/b): spec.models[0]: model \"m1\" is already served by route default/a ({a} document 1)",
+            dir.display()
+        )
+    );
+    // An empty directory is a valid, empty config.
+    for f in ["a.yaml", "b.yaml"] {
+        std::fs::remove_file(dir.join(f)).expect("rm");
+    }
+    assert!(tailwarden_crds::load_file(&dir).expect("empty").is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

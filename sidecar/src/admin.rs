@@ -32,11 +32,27 @@ fn reply(
     r
 }
 
-fn route(app: &App, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+/// Which endpoints a listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exposure {
+    /// Everything, `/config` included: the loopback admin port.
+    Full,
+    /// Only `/healthz`, `/readyz` and `/metrics`: the port kubelet probes and Prometheus
+    /// reach on the pod IP. `/config` stays on loopback.
+    ProbesAndMetrics,
+}
+
+fn route(app: &App, req: &Request<Incoming>, exposure: Exposure) -> Response<Full<Bytes>> {
     if req.method() != Method::GET {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
     }
-    match req.uri().path() {
+    let path = req.uri().path();
+    if exposure == Exposure::ProbesAndMetrics
+        && !matches!(path, "/healthz" | "/readyz" | "/metrics")
+    {
+        return reply(StatusCode::NOT_FOUND, "text/plain", "not found\n");
+    }
+    match path {
         "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
         "/readyz" => {
             if app.draining.load(Ordering::Relaxed) {
@@ -77,7 +93,12 @@ fn route(app: &App, req: &Request<Incoming>) -> Response<Full<Bytes>> {
 }
 
 /// Serves the admin endpoints until `shutdown` completes.
-pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>) {
+pub async fn serve(
+    listener: TcpListener,
+    app: Arc<App>,
+    exposure: Exposure,
+    shutdown: impl Future<Output = ()>,
+) {
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -86,7 +107,7 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<O
                 let app = app.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req| {
-                        let response = route(&app, &req);
+                        let response = route(&app, &req, exposure);
                         async move { Ok::<_, Infallible>(response) }
                     });
                     let _ = auto::Builder::new(TokioExecutor::new())

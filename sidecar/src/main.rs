@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, sync::atomic::Ordering, tim
 use anyhow::Context;
 use clap::Parser;
 use tailwarden_sidecar::{
-    admin, metrics::Metrics, proxy::App, reload, server, upstream::PoolCache,
+    admin, metrics::Metrics, proxy::App, reload, routes::RouteTable, server, upstream::PoolCache,
 };
 use tokio::sync::watch;
 
@@ -16,7 +16,8 @@ use tokio::sync::watch;
     about = "OpenAI-compatible sidecar that enforces InferenceRoutes"
 )]
 struct Args {
-    /// File of one or more InferenceRoute YAML documents; reloaded when it changes.
+    /// File of one or more InferenceRoute YAML documents, or a directory of such files (one
+    /// per route, as the operator mounts them); reloaded when it changes.
     #[arg(long, env = "TAILWARDEN_CONFIG")]
     config: PathBuf,
     /// Client listener (OpenAI-compatible API).
@@ -25,6 +26,10 @@ struct Args {
     /// Admin listener: /healthz, /readyz, /metrics, /config.
     #[arg(long, default_value = "127.0.0.1:15090", env = "TAILWARDEN_ADMIN")]
     admin: SocketAddr,
+    /// Optional listener for kubelet probes and Prometheus on the pod IP: serves only
+    /// /healthz, /readyz and /metrics (never /config).
+    #[arg(long, env = "TAILWARDEN_PROBE_LISTEN")]
+    probe_listen: Option<SocketAddr>,
     /// Log format: json (one object per line) or text.
     #[arg(long, default_value = "json", value_parser = ["json", "text"], env = "TAILWARDEN_LOG_FORMAT")]
     log_format: String,
@@ -86,16 +91,26 @@ async fn main() -> anyhow::Result<()> {
     init_logging(&args.log_format);
 
     let pools = PoolCache::default();
-    let (table, hash) = match reload::load(&pools, &args.config) {
-        Ok(loaded) => loaded,
+    let metrics = Arc::new(Metrics::new().context("registering metrics")?);
+    let app = match reload::load(&pools, &args.config) {
+        Ok((table, hash)) => {
+            let app = Arc::new(App::new(table, metrics, pools));
+            reload::loaded(&app, &args.config, hash);
+            app
+        }
+        // A directory is what the operator mounts: start, stay unready, and pick the routes
+        // up when they arrive. A single file is a person at a terminal: say so and stop.
+        Err(reason) if args.config.is_dir() => {
+            tracing::error!(error = %reason, "no valid routes yet; not ready until there are");
+            let app = Arc::new(App::new(RouteTable::default(), metrics, pools));
+            reload::rejected(&app, &args.config, reason);
+            app
+        }
         Err(reason) => {
             eprintln!("tailwarden-sidecar: invalid config: {reason}");
             std::process::exit(2);
         }
     };
-    let metrics = Arc::new(Metrics::new().context("registering metrics")?);
-    let app = Arc::new(App::new(table, metrics, pools));
-    reload::loaded(&app, &args.config, hash);
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -103,6 +118,14 @@ async fn main() -> anyhow::Result<()> {
     let admin_listener = tokio::net::TcpListener::bind(args.admin)
         .await
         .with_context(|| format!("cannot bind the admin listener {}", args.admin))?;
+    let probe_listener = match args.probe_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot bind the probe listener {addr}"))?,
+        ),
+        None => None,
+    };
     let listen_addr = listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
     tracing::info!(listen = %listen_addr, admin = %admin_addr, config = %args.config.display(), "tailwarden-sidecar started");
@@ -121,8 +144,17 @@ async fn main() -> anyhow::Result<()> {
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
         app.clone(),
+        admin::Exposure::Full,
         std::future::pending(),
     ));
+    let probe_task = probe_listener.map(|listener| {
+        tokio::spawn(admin::serve(
+            listener,
+            app.clone(),
+            admin::Exposure::ProbesAndMetrics,
+            std::future::pending(),
+        ))
+    });
     let server_task = tokio::spawn(server::serve(
         listener,
         app.clone(),
@@ -137,6 +169,9 @@ async fn main() -> anyhow::Result<()> {
     let _ = server_task.await;
     watcher.abort();
     admin_task.abort();
+    if let Some(t) = probe_task {
+        t.abort();
+    }
     tracing::info!("stopped");
     Ok(())
 }

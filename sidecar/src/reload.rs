@@ -1,7 +1,8 @@
 //! Config loading and hot reload.
 //!
-//! The config file is polled (a cheap `stat` each interval; the content is hashed only when
-//! the stat changes), because ConfigMap volumes are updated by swapping a symlink, which
+//! The config file — or directory of route files, as the operator's projected ConfigMap
+//! volume provides — is polled (a cheap `stat` each interval; it is parsed only when a stat
+//! changes), because ConfigMap volumes are updated by swapping a symlink, which
 //! inotify-style watchers miss. A valid new config is swapped in atomically; an invalid one
 //! is rejected with the reason logged, counted and shown on `/config`, and the last good
 //! config keeps serving. Key files are re-read on every tick so rotated keys apply at once.
@@ -25,29 +26,47 @@ pub struct ConfigStatus {
     pub last_error: Option<String>,
 }
 
-/// A hash of the file content, for `/config` and change detection.
-pub fn content_hash(text: &str) -> String {
+/// A hash of the effective routes (not of their formatting), for `/config` and to skip
+/// reloads that change nothing.
+pub fn routes_hash(routes: &[tailwarden_crds::InferenceRoute]) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    text.hash(&mut h);
+    serde_json::to_string(routes)
+        .unwrap_or_default()
+        .hash(&mut h);
     format!("{:016x}", h.finish())
 }
 
-/// Loads and compiles a config file.
+/// Loads and compiles a config file or directory.
 pub fn load(
-    app_pools: &crate::upstream::PoolCache,
+    pools: &crate::upstream::PoolCache,
     path: &Path,
 ) -> Result<(RouteTable, String), String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
-    let routes =
-        tailwarden_crds::load_str(&path.display().to_string(), &text).map_err(|e| e.to_string())?;
-    let table = RouteTable::compile(routes, app_pools).map_err(|e| e.to_string())?;
-    Ok((table, content_hash(&text)))
+    let routes = tailwarden_crds::load_file(path).map_err(|e| e.to_string())?;
+    let hash = routes_hash(&routes);
+    let table = RouteTable::compile(routes, pools).map_err(|e| e.to_string())?;
+    Ok((table, hash))
 }
 
-fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok()?, meta.len()))
+type Stamp = Vec<(PathBuf, Option<SystemTime>, u64)>;
+
+/// Modification times and sizes of the config file or of every file in the directory
+/// (following symlinks, so a swapped ConfigMap `..data` link shows as a change).
+fn stamp(path: &Path) -> Stamp {
+    let one = |p: PathBuf| {
+        let meta = std::fs::metadata(&p).ok();
+        let modified = meta.as_ref().and_then(|m| m.modified().ok());
+        let len = meta.map_or(0, |m| m.len());
+        (p, modified, len)
+    };
+    if path.is_dir() {
+        let mut entries: Stamp = std::fs::read_dir(path)
+            .map(|rd| rd.filter_map(Result::ok).map(|e| one(e.path())).collect())
+            .unwrap_or_default();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries
+    } else {
+        vec![one(path.to_path_buf())]
+    }
 }
 
 fn now_secs() -> u64 {
@@ -82,34 +101,36 @@ pub async fn watch(app: Arc<App>, path: PathBuf, interval: Duration) {
             continue;
         }
         last_stamp = current;
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
+        let routes = match tailwarden_crds::load_file(&path) {
+            Ok(routes) => routes,
             Err(e) => {
-                reject(&app, format!("{}: cannot read: {e}", path.display()));
+                reject(&app, e.to_string());
                 continue;
             }
         };
-        let hash = content_hash(&text);
+        let hash = routes_hash(&routes);
         if hash == last_hash {
             continue;
         }
-        let result = tailwarden_crds::load_str(&path.display().to_string(), &text)
-            .map_err(|e| e.to_string())
-            .and_then(|routes| RouteTable::compile(routes, &app.pools).map_err(|e| e.to_string()));
-        match result {
+        match RouteTable::compile(routes, &app.pools) {
             Ok(table) => {
                 app.table.store(Arc::new(table));
                 last_hash = hash.clone();
-                tracing::info!(file = %path.display(), hash = %hash, "config reloaded");
+                tracing::info!(config = %path.display(), hash = %hash, "config reloaded");
                 loaded(&app, &path, hash);
             }
-            Err(reason) => {
-                // Remember the hash so the same bad content is reported once, not every tick.
-                last_hash = hash;
-                reject(&app, reason);
-            }
+            Err(e) => reject(&app, e.to_string()),
         }
     }
+}
+
+/// Records a failed initial load (directory mode starts anyway, unready).
+pub fn rejected(app: &App, path: &Path, reason: String) {
+    app.set_config_status(ConfigStatus {
+        file: path.display().to_string(),
+        ..ConfigStatus::default()
+    });
+    reject(app, reason);
 }
 
 fn reject(app: &App, reason: String) {
