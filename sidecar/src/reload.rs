@@ -1,8 +1,8 @@
 //! Config loading and hot reload.
 //!
 //! The config file — or directory of route files, as the operator's projected ConfigMap
-//! volume provides — is polled (a cheap `stat` each interval; it is parsed only when a stat
-//! changes), because ConfigMap volumes are updated by swapping a symlink, which
+//! volume provides — is polled (read and fingerprinted each interval; parsed only when the
+//! fingerprint changes), because ConfigMap volumes are updated by swapping a symlink, which
 //! inotify-style watchers miss. A valid new config is swapped in atomically; an invalid one
 //! is rejected with the reason logged, counted and shown on `/config`, and the last good
 //! config keeps serving. Key files are re-read on every tick so rotated keys apply at once.
@@ -47,26 +47,25 @@ pub fn load(
     Ok((table, hash))
 }
 
-type Stamp = Vec<(PathBuf, Option<SystemTime>, u64)>;
-
-/// Modification times and sizes of the config file or of every file in the directory
-/// (following symlinks, so a swapped ConfigMap `..data` link shows as a change).
-fn stamp(path: &Path) -> Stamp {
-    let one = |p: PathBuf| {
-        let meta = std::fs::metadata(&p).ok();
-        let modified = meta.as_ref().and_then(|m| m.modified().ok());
-        let len = meta.map_or(0, |m| m.len());
-        (p, modified, len)
-    };
+/// A fingerprint of the config file, or of every file in the directory: names and
+/// contents. Config files are small, so reading them each tick is cheap, and unlike
+/// modification times it cannot miss an edit that keeps the size within one clock tick.
+/// Reads follow symlinks, so a swapped ConfigMap `..data` link shows as a change.
+fn stamp(path: &Path) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
     if path.is_dir() {
-        let mut entries: Stamp = std::fs::read_dir(path)
-            .map(|rd| rd.filter_map(Result::ok).map(|e| one(e.path())).collect())
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .map(|rd| rd.filter_map(Result::ok).map(|e| e.path()).collect())
             .unwrap_or_default();
-        entries.sort_by(|a, b| a.0.cmp(&b.0));
-        entries
+        entries.sort();
+        for entry in entries {
+            entry.hash(&mut h);
+            std::fs::read(&entry).ok().hash(&mut h);
+        }
     } else {
-        vec![one(path.to_path_buf())]
+        std::fs::read(path).ok().hash(&mut h);
     }
+    h.finish()
 }
 
 fn now_secs() -> u64 {
