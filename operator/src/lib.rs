@@ -5,3 +5,6 @@
 //! `certs` and `leader`.
 
 pub mod consts;
+pub mod controller;
+pub mod render;
+pub mod status;

@@ -1,0 +1,397 @@
+//! The `InferenceRoute` controller: for each route, publish its rendered sidecar config as a
+//! ConfigMap it owns (server-side apply, fixed field manager) and report the truth in status.
+//!
+//! Triggers: route spec changes (a generation predicate, so our own status writes do not
+//! loop), the route's ConfigMap (edited by hand → put back), the Secrets it references
+//! (created, rotated, deleted → `ResolvedRefs`), and injected pods (→ `injectedPods`).
+//! Errors are transient (API trouble: requeue with backoff) or permanent (an invalid spec:
+//! conditions False, wait for the next change).
+
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use futures_util::StreamExt;
+use k8s_openapi::{
+    api::core::v1::{ConfigMap, Pod, Secret},
+    apimachinery::pkg::apis::meta::v1::OwnerReference,
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{ObjectMeta, PartialObjectMeta, Patch, PatchParams},
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::Action,
+        events::{Event, EventType, Recorder, Reporter},
+        predicates,
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
+};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use tailwarden_crds::InferenceRoute;
+
+use crate::{
+    consts,
+    render::{self, SecretKeys},
+    status::{self, ACCEPTED, Observation, Observed, READY, RESOLVED_REFS},
+};
+
+/// Reconcile errors. All are transient: permanent problems (an invalid spec, a missing
+/// Secret) are reported in status, not returned.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("route has no namespace")]
+    NoNamespace,
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("rendering: {0}")]
+    Render(#[from] render::RenderError),
+}
+
+impl Error {
+    fn reason(&self) -> &'static str {
+        match self {
+            Error::NoNamespace => "no_namespace",
+            Error::Kube(kube::Error::Api(_)) => "api_error",
+            Error::Kube(_) => "api_unreachable",
+            Error::Render(_) => "render",
+        }
+    }
+}
+
+/// Controller metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    pub reconciles: IntCounterVec,
+    pub failures: IntCounterVec,
+    pub duration: HistogramVec,
+}
+
+impl Metrics {
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            reconciles: IntCounterVec::new(
+                Opts::new("tailwarden_operator_reconciles_total", "Route reconciles by result."),
+                &["result"],
+            )?,
+            failures: IntCounterVec::new(
+                Opts::new("tailwarden_operator_reconcile_failures_total", "Failed reconciles by reason."),
+                &["reason"],
+            )?,
+            duration: HistogramVec::new(
+                HistogramOpts::new("tailwarden_operator_reconcile_duration_seconds", "Reconcile duration.")
+                    .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+                &[],
+            )?,
+        };
+        registry.register(Box::new(m.reconciles.clone()))?;
+        registry.register(Box::new(m.failures.clone()))?;
+        registry.register(Box::new(m.duration.clone()))?;
+        Ok(m)
+    }
+}
+
+/// What reconcile needs.
+pub struct Context {
+    pub client: Client,
+    pub routes: Store<InferenceRoute>,
+    pub pods: Store<Pod>,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+}
+
+/// Secret names a route references.
+fn referenced_secrets(route: &InferenceRoute) -> impl Iterator<Item = &str> {
+    route
+        .spec
+        .providers
+        .iter()
+        .filter_map(|p| p.auth.as_ref()?.secret_ref.as_ref())
+        .map(|s| s.name.as_str())
+}
+
+/// Names and data keys of the Secrets the route references (values are dropped at once).
+async fn secret_keys(client: &Client, ns: &str, route: &InferenceRoute) -> Result<SecretKeys, Error> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let mut out = SecretKeys::new();
+    let mut names: Vec<&str> = referenced_secrets(route).collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        if let Some(secret) = api.get_opt(name).await? {
+            let keys = secret
+                .data
+                .iter()
+                .flat_map(|d| d.keys().cloned())
+                .chain(secret.string_data.iter().flat_map(|d| d.keys().cloned()))
+                .collect();
+            out.insert(name.to_owned(), keys);
+        }
+    }
+    Ok(out)
+}
+
+/// Running pods whose sidecar serves this route.
+fn injected_pods(pods: &Store<Pod>, ns: &str, name: &str) -> u32 {
+    pods.state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns))
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter(|p| {
+            p.annotations()
+                .get(consts::INJECTED_ANNOTATION)
+                .is_some_and(|routes| routes.split(',').any(|r| r.trim() == name))
+        })
+        .count() as u32
+}
+
+fn config_map(route: &InferenceRoute, desired: &render::Desired) -> Option<ConfigMap> {
+    let name = route.metadata.name.clone()?;
+    let owner = OwnerReference {
+        api_version: InferenceRoute::api_version(&()).into_owned(),
+        kind: InferenceRoute::kind(&()).into_owned(),
+        name: name.clone(),
+        uid: route.metadata.uid.clone()?,
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    };
+    Some(ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(consts::config_map_name(&name)),
+            namespace: route.metadata.namespace.clone(),
+            labels: Some(BTreeMap::from([
+                (consts::ROUTE_LABEL.to_owned(), name),
+                ("app.kubernetes.io/managed-by".to_owned(), "tailwarden-operator".to_owned()),
+            ])),
+            annotations: Some(BTreeMap::from([(
+                "tailwarden.io/config-hash".to_owned(),
+                desired.config_hash.clone(),
+            )])),
+            owner_references: Some(vec![owner]),
+            ..ObjectMeta::default()
+        },
+        data: Some(BTreeMap::from([(
+            consts::CONFIG_KEY.to_owned(),
+            desired.config_yaml.clone(),
+        )])),
+        ..ConfigMap::default()
+    })
+}
+
+/// Reconciles one route.
+pub async fn reconcile(route: Arc<InferenceRoute>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&route, &ctx).await;
+    ctx.metrics
+        .duration
+        .with_label_values(&[] as &[&str])
+        .observe(started.elapsed().as_secs_f64());
+    let label = if result.is_ok() { "ok" } else { "error" };
+    ctx.metrics.reconciles.with_label_values(&[label]).inc();
+    result
+}
+
+async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action, Error> {
+    let ns = route.namespace().ok_or(Error::NoNamespace)?;
+    let name = route.name_any();
+    let client = &ctx.client;
+
+    // Accepted: the spec passes the CRD's own rules (the API server checked them when the
+    // CRD was current; this catches routes stored under an older CRD) and claims no model
+    // an older route of the namespace already serves.
+    let mut problems: Vec<String> = match route.validate_cel() {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors.iter().map(|e| e.to_string()).collect(),
+    };
+    let invalid = !problems.is_empty();
+    let others: Vec<InferenceRoute> = ctx.routes.state().iter().map(|r| (**r).clone()).collect();
+    problems.extend(render::model_conflicts(route, &others));
+    let accepted = if problems.is_empty() {
+        Observed::new(ACCEPTED, true, "Valid", "The route is valid.")
+    } else {
+        let reason = if invalid { "Invalid" } else { "ModelConflict" };
+        Observed::new(ACCEPTED, false, reason, problems.join("; "))
+    };
+
+    let secrets = secret_keys(client, &ns, route).await?;
+    let desired = render::desired(route, &secrets)?;
+    let resolved = if desired.missing.is_empty() {
+        Observed::new(RESOLVED_REFS, true, "AllResolved", "Every referenced Secret key exists.")
+    } else {
+        Observed::new(RESOLVED_REFS, false, "SecretMissing", desired.missing.join("; "))
+    };
+
+    // Publish only an accepted config: otherwise the sidecars keep the last good one.
+    let mut published = false;
+    if accepted.ok {
+        if let Some(cm) = config_map(route, &desired) {
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let params = PatchParams::apply(consts::FIELD_MANAGER).force();
+            api.patch(&consts::config_map_name(&name), &params, &Patch::Apply(&cm))
+                .await?;
+            published = true;
+        }
+    }
+    let ready = match (accepted.ok, resolved.ok, published) {
+        (true, true, true) => Observed::new(
+            READY,
+            true,
+            "Published",
+            format!(
+                "Config {} is published in ConfigMap {}.",
+                desired.config_hash,
+                consts::config_map_name(&name)
+            ),
+        ),
+        (false, _, _) => Observed::new(READY, false, "NotAccepted", "The route is not accepted; see Accepted."),
+        (true, false, _) => Observed::new(
+            READY,
+            false,
+            "RefsNotResolved",
+            format!(
+                "The config is published, but providers without their key are skipped: {}",
+                desired.missing.join("; ")
+            ),
+        ),
+        (true, true, false) => Observed::new(READY, false, "NotPublished", "The config could not be published."),
+    };
+
+    let observation = Observation {
+        generation: route.metadata.generation,
+        conditions: vec![accepted, resolved, ready],
+        config_hash: published.then(|| desired.config_hash.clone()),
+        injected_pods: injected_pods(&ctx.pods, &ns, &name),
+    };
+    let current = route.status.as_ref();
+    let next = status::next_status(current, &observation, Timestamp::now());
+    if current != Some(&next) {
+        let api: Api<InferenceRoute> = Api::namespaced(client.clone(), &ns);
+        let patch = serde_json::json!({ "status": next });
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        let reference = route.object_ref(&());
+        for (kind, ok, reason, message) in status::transitions(current, &next) {
+            let event = Event {
+                type_: if ok { EventType::Normal } else { EventType::Warning },
+                reason: format!("{kind}{}", if ok { "" } else { "False" }),
+                note: Some(format!("{reason}: {message}").chars().take(1000).collect()),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            if let Err(e) = ctx.recorder.publish(&event, &reference).await {
+                tracing::warn!(route = %name, error = %e, "cannot publish event");
+            }
+        }
+    }
+    if !next.conditions.iter().all(|c| c.status == "True") {
+        tracing::info!(namespace = %ns, route = %name, "route not ready: {}", next.conditions.iter().filter(|c| c.status != "True").map(|c| format!("{}={} ({})", c.type_, c.reason, c.message)).collect::<Vec<_>>().join(", "));
+    }
+    // Periodic resync as a safety net for missed watch events.
+    Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Transient errors: requeue with a delay (the controller also backs off per object).
+pub fn error_policy(route: Arc<InferenceRoute>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(route = %route.name_any(), error = %error, "reconcile failed; retrying");
+    ctx.metrics.failures.with_label_values(&[error.reason()]).inc();
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Everything the controller and the webhook share.
+pub struct Shared {
+    pub routes: Store<InferenceRoute>,
+    pub pods: Store<Pod>,
+}
+
+/// Runs the controller for one namespace (`Some`) or all (`None`) until `shutdown`.
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    routes_store: Store<InferenceRoute>,
+    routes_writer: reflector::store::Writer<InferenceRoute>,
+    metrics: Metrics,
+    reporter: Reporter,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let routes_api: Api<InferenceRoute> = api_for(&client, namespace.as_deref());
+    let cm_api: Api<ConfigMap> = api_for(&client, namespace.as_deref());
+    // Metadata only: the controller never needs (or holds) key values to know a Secret changed.
+    let secret_api: Api<PartialObjectMeta<Secret>> = match namespace.as_deref() {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let pod_api: Api<Pod> = api_for(&client, namespace.as_deref());
+
+    let (pods, pods_writer) = reflector::store();
+    let injected = watcher::Config::default().labels(&format!("{}=true", consts::INJECTED_LABEL));
+    let pod_stream = watcher(pod_api, injected)
+        .default_backoff()
+        .reflect(pods_writer)
+        .touched_objects();
+
+    let route_stream = watcher(routes_api, watcher::Config::default())
+        .default_backoff()
+        .reflect(routes_writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+
+    let secrets_index = routes_store.clone();
+    let secret_stream = watcher(secret_api, watcher::Config::default())
+        .default_backoff()
+        .touched_objects();
+
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        routes: routes_store.clone(),
+        pods: pods.clone(),
+        recorder: Recorder::new(client.clone(), reporter),
+        metrics,
+    });
+    let owned = watcher::Config::default().labels(consts::ROUTE_LABEL);
+    Controller::for_stream(route_stream, routes_store)
+        .owns(cm_api, owned)
+        .watches_stream(secret_stream, move |secret| {
+            let ns = secret.metadata.namespace.clone();
+            let name = secret.metadata.name.clone().unwrap_or_default();
+            secrets_index
+                .state()
+                .iter()
+                .filter(|r| r.metadata.namespace == ns && referenced_secrets(r).any(|s| s == name))
+                .map(|r| ObjectRef::from_obj(&**r))
+                .collect::<Vec<_>>()
+        })
+        .watches_stream(pod_stream, |pod: Pod| {
+            let ns = pod.metadata.namespace.clone().unwrap_or_default();
+            pod.annotations()
+                .get(consts::INJECTED_ANNOTATION)
+                .map(|routes| {
+                    routes
+                        .split(',')
+                        .map(|r| ObjectRef::<InferenceRoute>::new(r.trim()).within(&ns))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default()
+        })
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+}
+
+fn api_for<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
