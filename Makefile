@@ -3,18 +3,25 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit sdk sdk-deps lint fmt fmt-check crds clippy controlplane-smoke
+.PHONY: all build test unit sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
 
 all: build
 
 build:
 	$(CARGO) build --workspace --bins
 
-## test: everything CI runs — formatting, lints, unit and integration tests, real OpenAI SDKs.
+## test: everything CI runs — formatting, lints, unit and integration tests (the Helm chart
+## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk
 
-unit:
-	$(CARGO) test --workspace --no-fail-fast
+unit: tools
+	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
+	  TAILWARDEN_HELM=$$(e2e/controlplane/build.sh | tail -n 1)/helm \
+	  $(CARGO) test --workspace --no-fail-fast
+
+## tools: helm and the local Kubernetes control plane, built once from the Go module proxy.
+tools:
+	e2e/controlplane/build.sh
 
 ## sdk: the real OpenAI Python and Node SDKs against the sidecar and the simulator.
 sdk: sdk-deps
@@ -47,6 +54,7 @@ fmt-check:
 ## crds: regenerate the CRD and the field reference from the Rust types (a test fails on drift).
 crds:
 	$(CARGO) run -q -p tailwarden-operator -- crd > crds/inferenceroute.yaml
+	cp crds/inferenceroute.yaml charts/tailwarden/crds/inferenceroute.yaml
 	$(CARGO) run -q -p tailwarden-operator -- reference > docs/inferenceroute-reference.md
 
 # Release binaries land here (honours CARGO_TARGET_DIR like cargo does).
