@@ -12,10 +12,38 @@ pub const CRD_PATH: &str = "crds/inferenceroute.yaml";
 
 /// The CRD as a YAML document, with a header saying where it comes from.
 pub fn crd_yaml() -> Result<String, serde_norway::Error> {
-    let body = serde_norway::to_string(&InferenceRoute::crd())?;
+    let mut crd = serde_json::to_value(InferenceRoute::crd())
+        .map_err(<serde_norway::Error as serde::ser::Error>::custom)?;
+    tidy_descriptions(&mut crd);
+    let body = serde_norway::to_string(&crd)?;
     Ok(format!(
         "# Generated from crds/src/route.rs by `make crds` (tailwarden-operator crd). Do not edit.\n{body}"
     ))
+}
+
+/// Doc comments wrap at 100 columns; `kubectl explain` re-wraps text itself, so single
+/// line breaks inside a paragraph become spaces (blank lines still separate paragraphs).
+fn tidy_descriptions(node: &mut serde_json::Value) {
+    match node {
+        serde_json::Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                if key == "description" {
+                    if let Some(text) = value.as_str() {
+                        let joined = text
+                            .split("\n\n")
+                            .map(|para| para.split('\n').map(str::trim).collect::<Vec<_>>().join(" "))
+                            .collect::<Vec<_>>()
+                            .join("\n\n");
+                        *value = serde_json::Value::String(joined);
+                    }
+                } else {
+                    tidy_descriptions(value);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(tidy_descriptions),
+        _ => {}
+    }
 }
 
 /// Path of the generated field reference, relative to the workspace root.
