@@ -8,3 +8,4 @@ pub mod consts;
 pub mod controller;
 pub mod render;
 pub mod status;
+pub mod inject;
