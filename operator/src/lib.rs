@@ -9,3 +9,4 @@ pub mod controller;
 pub mod render;
 pub mod status;
 pub mod inject;
+pub mod certs;
