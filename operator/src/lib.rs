@@ -10,3 +10,4 @@ pub mod render;
 pub mod status;
 pub mod inject;
 pub mod certs;
+pub mod leader;
