@@ -11,3 +11,4 @@ pub mod status;
 pub mod inject;
 pub mod certs;
 pub mod leader;
+pub mod webhook;
