@@ -75,16 +75,27 @@ impl Metrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
         let m = Self {
             reconciles: IntCounterVec::new(
-                Opts::new("tailwarden_operator_reconciles_total", "Route reconciles by result."),
+                Opts::new(
+                    "tailwarden_operator_reconciles_total",
+                    "Route reconciles by result.",
+                ),
                 &["result"],
             )?,
             failures: IntCounterVec::new(
-                Opts::new("tailwarden_operator_reconcile_failures_total", "Failed reconciles by reason."),
+                Opts::new(
+                    "tailwarden_operator_reconcile_failures_total",
+                    "Failed reconciles by reason.",
+                ),
                 &["reason"],
             )?,
             duration: HistogramVec::new(
-                HistogramOpts::new("tailwarden_operator_reconcile_duration_seconds", "Reconcile duration.")
-                    .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+                HistogramOpts::new(
+                    "tailwarden_operator_reconcile_duration_seconds",
+                    "Reconcile duration.",
+                )
+                .buckets(vec![
+                    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                ]),
                 &[],
             )?,
         };
@@ -115,7 +126,11 @@ fn referenced_secrets(route: &InferenceRoute) -> impl Iterator<Item = &str> {
 }
 
 /// Names and data keys of the Secrets the route references (values are dropped at once).
-async fn secret_keys(client: &Client, ns: &str, route: &InferenceRoute) -> Result<SecretKeys, Error> {
+async fn secret_keys(
+    client: &Client,
+    ns: &str,
+    route: &InferenceRoute,
+) -> Result<SecretKeys, Error> {
     let api: Api<Secret> = Api::namespaced(client.clone(), ns);
     let mut out = SecretKeys::new();
     let mut names: Vec<&str> = referenced_secrets(route).collect();
@@ -165,7 +180,10 @@ fn config_map(route: &InferenceRoute, desired: &render::Desired) -> Option<Confi
             namespace: route.metadata.namespace.clone(),
             labels: Some(BTreeMap::from([
                 (consts::ROUTE_LABEL.to_owned(), name),
-                ("app.kubernetes.io/managed-by".to_owned(), "tailwarden-operator".to_owned()),
+                (
+                    "app.kubernetes.io/managed-by".to_owned(),
+                    "tailwarden-operator".to_owned(),
+                ),
             ])),
             annotations: Some(BTreeMap::from([(
                 "tailwarden.io/config-hash".to_owned(),
@@ -220,21 +238,31 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
     let secrets = secret_keys(client, &ns, route).await?;
     let desired = render::desired(route, &secrets)?;
     let resolved = if desired.missing.is_empty() {
-        Observed::new(RESOLVED_REFS, true, "AllResolved", "Every referenced Secret key exists.")
+        Observed::new(
+            RESOLVED_REFS,
+            true,
+            "AllResolved",
+            "Every referenced Secret key exists.",
+        )
     } else {
-        Observed::new(RESOLVED_REFS, false, "SecretMissing", desired.missing.join("; "))
+        Observed::new(
+            RESOLVED_REFS,
+            false,
+            "SecretMissing",
+            desired.missing.join("; "),
+        )
     };
 
     // Publish only an accepted config: otherwise the sidecars keep the last good one.
     let mut published = false;
-    if accepted.ok {
-        if let Some(cm) = config_map(route, &desired) {
-            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-            let params = PatchParams::apply(consts::FIELD_MANAGER).force();
-            api.patch(&consts::config_map_name(&name), &params, &Patch::Apply(&cm))
-                .await?;
-            published = true;
-        }
+    if accepted.ok
+        && let Some(cm) = config_map(route, &desired)
+    {
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+        let params = PatchParams::apply(consts::FIELD_MANAGER).force();
+        api.patch(&consts::config_map_name(&name), &params, &Patch::Apply(&cm))
+            .await?;
+        published = true;
     }
     let ready = match (accepted.ok, resolved.ok, published) {
         (true, true, true) => Observed::new(
@@ -247,7 +275,12 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
                 consts::config_map_name(&name)
             ),
         ),
-        (false, _, _) => Observed::new(READY, false, "NotAccepted", "The route is not accepted; see Accepted."),
+        (false, _, _) => Observed::new(
+            READY,
+            false,
+            "NotAccepted",
+            "The route is not accepted; see Accepted.",
+        ),
         (true, false, _) => Observed::new(
             READY,
             false,
@@ -257,7 +290,12 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
                 desired.missing.join("; ")
             ),
         ),
-        (true, true, false) => Observed::new(READY, false, "NotPublished", "The config could not be published."),
+        (true, true, false) => Observed::new(
+            READY,
+            false,
+            "NotPublished",
+            "The config could not be published.",
+        ),
     };
 
     let observation = Observation {
@@ -276,7 +314,11 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
         let reference = route.object_ref(&());
         for (kind, ok, reason, message) in status::transitions(current, &next) {
             let event = Event {
-                type_: if ok { EventType::Normal } else { EventType::Warning },
+                type_: if ok {
+                    EventType::Normal
+                } else {
+                    EventType::Warning
+                },
                 reason: format!("{kind}{}", if ok { "" } else { "False" }),
                 note: Some(format!("{reason}: {message}").chars().take(1000).collect()),
                 action: "Reconcile".into(),
@@ -297,26 +339,22 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
 /// Transient errors: requeue with a delay (the controller also backs off per object).
 pub fn error_policy(route: Arc<InferenceRoute>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(route = %route.name_any(), error = %error, "reconcile failed; retrying");
-    ctx.metrics.failures.with_label_values(&[error.reason()]).inc();
+    ctx.metrics
+        .failures
+        .with_label_values(&[error.reason()])
+        .inc();
     Action::requeue(Duration::from_secs(5))
-}
-
-/// Everything the controller and the webhook share.
-pub struct Shared {
-    pub routes: Store<InferenceRoute>,
-    pub pods: Store<Pod>,
 }
 
 /// Runs the controller for one namespace (`Some`) or all (`None`) until `shutdown`.
 pub async fn run(
     client: Client,
     namespace: Option<String>,
-    routes_store: Store<InferenceRoute>,
-    routes_writer: reflector::store::Writer<InferenceRoute>,
     metrics: Metrics,
     reporter: Reporter,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
+    let (routes_store, routes_writer) = reflector::store();
     let routes_api: Api<InferenceRoute> = api_for(&client, namespace.as_deref());
     let cm_api: Api<ConfigMap> = api_for(&client, namespace.as_deref());
     // Metadata only: the controller never needs (or holds) key values to know a Secret changed.

@@ -4,11 +4,12 @@
 //! Decisions are pure (`render`, `status`, `inject`); I/O lives in `controller`, `webhook`,
 //! `certs` and `leader`.
 
+pub mod certs;
 pub mod consts;
 pub mod controller;
-pub mod render;
-pub mod status;
 pub mod inject;
-pub mod certs;
 pub mod leader;
+pub mod render;
+pub mod run;
+pub mod status;
 pub mod webhook;

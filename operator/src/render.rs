@@ -46,8 +46,12 @@ pub fn desired(route: &InferenceRoute, secrets: &SecretKeys) -> Result<Desired, 
     let mut secret_refs = Vec::new();
     let mut missing = Vec::new();
     for provider in &mut spec.providers {
-        let Some(auth) = provider.auth.as_mut() else { continue };
-        let Some(secret_ref) = auth.secret_ref.take() else { continue };
+        let Some(auth) = provider.auth.as_mut() else {
+            continue;
+        };
+        let Some(secret_ref) = auth.secret_ref.take() else {
+            continue;
+        };
         let pair = (secret_ref.name.clone(), secret_ref.key.clone());
         match secrets.get(&secret_ref.name) {
             None => missing.push(format!(
@@ -80,8 +84,8 @@ pub fn desired(route: &InferenceRoute, secrets: &SecretKeys) -> Result<Desired, 
         spec,
         status: None,
     };
-    let config_yaml = serde_norway::to_string(&rendered)
-        .map_err(|e| RenderError::Serialise(e.to_string()))?;
+    let config_yaml =
+        serde_norway::to_string(&rendered).map_err(|e| RenderError::Serialise(e.to_string()))?;
     let config_hash = hash(&config_yaml);
     Ok(Desired {
         config_yaml,
@@ -143,7 +147,9 @@ mod tests {
     fn secrets(pairs: &[(&str, &str)]) -> SecretKeys {
         let mut out = SecretKeys::new();
         for (s, k) in pairs {
-            out.entry((*s).to_owned()).or_default().insert((*k).to_owned());
+            out.entry((*s).to_owned())
+                .or_default()
+                .insert((*k).to_owned());
         }
         out
     }
@@ -174,7 +180,11 @@ mod tests {
     #[test]
     fn secret_refs_become_mounted_files_and_missing_keys_are_named() {
         let route = example("openai-with-azure-fallback.yaml");
-        let d = desired(&route, &secrets(&[("openai", "apiKey"), ("azure-openai", "other")])).unwrap();
+        let d = desired(
+            &route,
+            &secrets(&[("openai", "apiKey"), ("azure-openai", "other")]),
+        )
+        .unwrap();
         assert_eq!(
             d.secret_refs,
             vec![
@@ -182,12 +192,21 @@ mod tests {
                 ("azure-openai".to_owned(), "apiKey".to_owned())
             ]
         );
-        assert_eq!(d.missing, vec!["provider azure: Secret azure-openai has no key apiKey"]);
-        assert!(d.config_yaml.contains("file: /var/run/tailwarden/keys/openai/apiKey"));
+        assert_eq!(
+            d.missing,
+            vec!["provider azure: Secret azure-openai has no key apiKey"]
+        );
+        assert!(
+            d.config_yaml
+                .contains("file: /var/run/tailwarden/keys/openai/apiKey")
+        );
         assert!(d.config_yaml.contains("header: api-key"), "header kept");
         let none = desired(&route, &SecretKeys::new()).unwrap();
         assert_eq!(none.missing.len(), 2);
-        assert_eq!(none.missing[0], "provider openai: Secret openai does not exist");
+        assert_eq!(
+            none.missing[0],
+            "provider openai: Secret openai does not exist"
+        );
         // Missing secrets do not change the rendered config.
         assert_eq!(none.config_yaml, d.config_yaml);
     }

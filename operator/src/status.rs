@@ -3,7 +3,10 @@
 //! `injectedPods`. `lastTransitionTime` is kept unless a condition's status flips, so a
 //! status write happens only when something really changed.
 
-use k8s_openapi::{apimachinery::pkg::apis::meta::v1::{Condition, Time}, jiff::Timestamp};
+use k8s_openapi::{
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+    jiff::Timestamp,
+};
 use tailwarden_crds::InferenceRouteStatus;
 
 pub const ACCEPTED: &str = "Accepted";
@@ -88,7 +91,14 @@ pub fn transitions(
                 .iter()
                 .any(|p| p.type_ == c.type_ && p.status == c.status && p.reason == c.reason)
         })
-        .map(|c| (c.type_.clone(), c.status == "True", c.reason.clone(), c.message.clone()))
+        .map(|c| {
+            (
+                c.type_.clone(),
+                c.status == "True",
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        })
         .collect()
 }
 
@@ -105,7 +115,12 @@ mod tests {
             generation: Some(3),
             conditions: vec![
                 Observed::new(ACCEPTED, true, "Valid", "the spec is valid"),
-                Observed::new(READY, ready, if ready { "Published" } else { "SecretMissing" }, "m"),
+                Observed::new(
+                    READY,
+                    ready,
+                    if ready { "Published" } else { "SecretMissing" },
+                    "m",
+                ),
             ],
             config_hash: Some("abc".into()),
             injected_pods: 2,
@@ -128,6 +143,14 @@ mod tests {
         assert_eq!(flipped.conditions[1].last_transition_time, Time(ts(300)));
         assert_eq!(flipped.conditions[1].status, "False");
         let t = transitions(Some(&again), &flipped);
-        assert_eq!(t, vec![("Ready".to_owned(), false, "SecretMissing".to_owned(), "m".to_owned())]);
+        assert_eq!(
+            t,
+            vec![(
+                "Ready".to_owned(),
+                false,
+                "SecretMissing".to_owned(),
+                "m".to_owned()
+            )]
+        );
     }
 }
