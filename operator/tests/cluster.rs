@@ -139,6 +139,48 @@ impl Drop for Operator {
     }
 }
 
+/// An operator replica with leader election on.
+struct LeaderOperator(Child);
+
+impl LeaderOperator {
+    fn start(cp: &ControlPlane, identity: &str, log: &Path) -> Self {
+        let log_file = std::fs::File::create(log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tailwarden-operator"))
+            .args([
+                "run",
+                "--webhook-listen",
+                &format!("127.0.0.1:{}", free_port()),
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--leader-elect=true",
+                "--sidecar-image",
+                "tailwarden/sidecar:test",
+            ])
+            .env("KUBECONFIG", &cp.env["KUBECONFIG"])
+            .env("POD_NAMESPACE", "tailwarden-system")
+            .env("POD_NAME", identity)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .unwrap();
+        Self(child)
+    }
+
+    fn terminate(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for LeaderOperator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
     F: FnMut() -> Fut,
@@ -482,6 +524,33 @@ async fn operator_on_a_real_api_server() {
     })
     .await;
 
+    // A Deployment naming a route that does not exist: its pods are admitted un-injected
+    // and the skip is an Event (reason UnknownRoute) on their owner, the ReplicaSet.
+    let (ok, out) = cp.kubectl(&["apply", "-f", "-"], Some(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: typo, namespace: plain}\nspec:\n  replicas: 1\n  selector: {matchLabels: {app: typo}}\n  template:\n    metadata:\n      labels: {app: typo}\n      annotations: {tailwarden.io/routes: chatt}\n    spec:\n      containers: [{name: app, image: example/app:1}]\n",
+    ));
+    assert!(ok, "{out}");
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), "plain");
+    let event = eventually(
+        "UnknownRoute Event on the ReplicaSet",
+        Duration::from_secs(60),
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("UnknownRoute"))
+        },
+    )
+    .await;
+    assert_eq!(
+        event.regarding.as_ref().and_then(|r| r.kind.as_deref()),
+        Some("ReplicaSet")
+    );
+    assert!(
+        event.note.as_deref().unwrap_or_default().contains("chatt"),
+        "{event:?}"
+    );
+
     // With the webhook down, pods are still admitted, un-injected.
     drop(operator);
     let created = pods
@@ -503,6 +572,56 @@ async fn operator_on_a_real_api_server() {
         log.contains("reconcil") || log.contains("route"),
         "operator logged nothing useful: {log}"
     );
+
+    // Leader election over a real Lease: two replicas, one reconciles; when it goes away the
+    // other takes over.
+    let mut a = LeaderOperator::start(&cp, "replica-a", &logs.join("a.log"));
+    let lease_api: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "tailwarden-system");
+    let holder =
+        |l: k8s_openapi::api::coordination::v1::Lease| l.spec.and_then(|s| s.holder_identity);
+    eventually(
+        "replica-a holds the Lease",
+        Duration::from_secs(60),
+        || async {
+            (holder(lease_api.get("tailwarden-operator").await.ok()?)? == "replica-a").then_some(())
+        },
+    )
+    .await;
+    let b = LeaderOperator::start(&cp, "replica-b", &logs.join("b.log"));
+    let second = ROUTE
+        .replace("name: chat", "name: second")
+        .replace("[gpt-4.1]", "[gpt-5]");
+    let (ok, out) = cp.kubectl(&["apply", "-f", "-"], Some(&second));
+    assert!(ok, "{out}");
+    eventually(
+        "route reconciled by the leader",
+        Duration::from_secs(60),
+        || async { condition(&routes.get("second").await.ok()?, "Ready").map(|_| ()) },
+    )
+    .await;
+    // SIGTERM: replica-a releases the Lease on the way out, replica-b takes over.
+    a.terminate();
+    eventually(
+        "replica-b holds the Lease",
+        Duration::from_secs(30),
+        || async {
+            (holder(lease_api.get("tailwarden-operator").await.ok()?)? == "replica-b").then_some(())
+        },
+    )
+    .await;
+    let third = ROUTE
+        .replace("name: chat", "name: third")
+        .replace("[gpt-4.1]", "[o3]");
+    let (ok, out) = cp.kubectl(&["apply", "-f", "-"], Some(&third));
+    assert!(ok, "{out}");
+    eventually(
+        "route reconciled by the new leader",
+        Duration::from_secs(60),
+        || async { condition(&routes.get("third").await.ok()?, "Ready").map(|_| ()) },
+    )
+    .await;
+    drop(b);
 
     // Deleting the route garbage-collects its ConfigMap (the controller-manager's GC).
     routes
