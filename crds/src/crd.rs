@@ -31,7 +31,12 @@ fn tidy_descriptions(node: &mut serde_json::Value) {
                     if let Some(text) = value.as_str() {
                         let joined = text
                             .split("\n\n")
-                            .map(|para| para.split('\n').map(str::trim).collect::<Vec<_>>().join(" "))
+                            .map(|para| {
+                                para.split('\n')
+                                    .map(str::trim)
+                                    .collect::<Vec<_>>()
+                                    .join(" ")
+                            })
                             .collect::<Vec<_>>()
                             .join("\n\n");
                         *value = serde_json::Value::String(joined);
@@ -62,7 +67,12 @@ pub fn reference_markdown() -> Result<String, serde_json::Error> {
     )?;
     let mut fields = String::new();
     let mut rules = String::new();
-    walk(&schema["properties"]["spec"], "spec", &mut fields, &mut rules);
+    walk(
+        &schema["properties"]["spec"],
+        "spec",
+        &mut fields,
+        &mut rules,
+    );
     Ok(format!(
         "<!-- Generated from crds/src/route.rs by `make crds`. Do not edit. -->\n\
          # InferenceRoute field reference\n\n\
@@ -100,7 +110,10 @@ fn type_of(node: &serde_json::Value) -> String {
 }
 
 fn walk(node: &serde_json::Value, path: &str, fields: &mut String, rules: &mut String) {
-    if let Some(list) = node.get("x-kubernetes-validations").and_then(|v| v.as_array()) {
+    if let Some(list) = node
+        .get("x-kubernetes-validations")
+        .and_then(|v| v.as_array())
+    {
         for rule in list {
             let at = match rule["fieldPath"].as_str() {
                 Some(fp) => format!("{path}{fp}"),
@@ -123,7 +136,9 @@ fn walk(node: &serde_json::Value, path: &str, fields: &mut String, rules: &mut S
             None => return,
         },
     };
-    let Some(props) = props.as_object() else { return };
+    let Some(props) = props.as_object() else {
+        return;
+    };
     for (name, child) in props {
         let child_path = format!("{prefix}.{name}");
         let default = child
@@ -142,7 +157,10 @@ fn walk(node: &serde_json::Value, path: &str, fields: &mut String, rules: &mut S
 }
 
 fn walk_rules_only(node: &serde_json::Value, path: &str, rules: &mut String) {
-    if let Some(list) = node.get("x-kubernetes-validations").and_then(|v| v.as_array()) {
+    if let Some(list) = node
+        .get("x-kubernetes-validations")
+        .and_then(|v| v.as_array())
+    {
         for rule in list {
             let at = match rule["fieldPath"].as_str() {
                 Some(fp) => format!("{path}{fp}"),

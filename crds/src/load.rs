@@ -137,7 +137,10 @@ pub fn load_str(file: &str, text: &str) -> Result<Vec<InferenceRoute>, LoadError
 
 /// Validates several files as one config (`label` names the whole in messages): each file
 /// on its own, then the rules across all routes (a model served twice, a route twice).
-pub fn load_sources(label: &str, sources: &[(String, String)]) -> Result<Vec<InferenceRoute>, LoadError> {
+pub fn load_sources(
+    label: &str,
+    sources: &[(String, String)],
+) -> Result<Vec<InferenceRoute>, LoadError> {
     let mut issues = Vec::new();
     let mut routes: Vec<(String, usize, InferenceRoute)> = Vec::new();
     for (file, text) in sources {
@@ -160,13 +163,14 @@ fn load_one(
     routes: &mut Vec<(String, usize, InferenceRoute)>,
     issues: &mut Vec<ConfigIssue>,
 ) {
-    let issue = |document: usize, route: Option<String>, field: &str, message: String| ConfigIssue {
-        file: file.to_owned(),
-        document,
-        route,
-        field: field.to_owned(),
-        message,
-    };
+    let issue =
+        |document: usize, route: Option<String>, field: &str, message: String| ConfigIssue {
+            file: file.to_owned(),
+            document,
+            route,
+            field: field.to_owned(),
+            message,
+        };
     for (index, document) in serde_norway::Deserializer::from_str(text).enumerate() {
         let number = index + 1;
         // First as a generic value: skips empty documents, reads the route's name for
@@ -278,7 +282,10 @@ fn check_across_routes(routes: &[(String, usize, InferenceRoute)], issues: &mut 
         if let Some((first_file, first)) = names.get(&name) {
             issues.push(issue(
                 "metadata.name",
-                format!("route {name} is already defined in {}", here(first_file, file, *first)),
+                format!(
+                    "route {name} is already defined in {}",
+                    here(first_file, file, *first)
+                ),
             ));
             continue;
         }
@@ -321,4 +328,3 @@ fn route_name(value: &serde_norway::Value) -> Option<String> {
         .unwrap_or("default");
     Some(format!("{namespace}/{name}"))
 }
-

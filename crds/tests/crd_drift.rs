@@ -13,8 +13,10 @@ fn committed_crd_matches_the_rust_types() {
 
 #[test]
 fn committed_reference_matches_the_rust_types() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/inferenceroute-reference.md");
-    let committed = std::fs::read_to_string(&path).expect("docs/inferenceroute-reference.md exists");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../docs/inferenceroute-reference.md");
+    let committed =
+        std::fs::read_to_string(&path).expect("docs/inferenceroute-reference.md exists");
     let generated = tailwarden_crds::crd::reference_markdown().expect("reference renders");
     assert!(
         committed == generated,
