@@ -67,6 +67,17 @@ impl Machine {
     }
 }
 
+/// The 1-minute load average (`/proc/loadavg`), to show how busy the machine was: numbers
+/// measured while something else used the CPUs are not comparable with a quiet run.
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// The current UTC time as `YYYY-MM-DD HH:MM UTC`.
 pub fn utc_now() -> String {
     let secs = SystemTime::now()

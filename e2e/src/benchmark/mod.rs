@@ -118,6 +118,8 @@ pub struct RateRun {
 pub struct TargetResult {
     /// Which target.
     pub kind: TargetKind,
+    /// Name in tables (`direct (repeat)` for the second baseline run).
+    pub label: String,
     /// Version, when known.
     pub version: String,
     /// How it was configured.
@@ -139,9 +141,10 @@ pub struct TargetResult {
 }
 
 impl TargetResult {
-    fn new(kind: TargetKind) -> Self {
+    fn new(kind: TargetKind, label: &str) -> Self {
         Self {
             kind,
+            label: label.to_owned(),
             version: String::new(),
             how: String::new(),
             unavailable: None,
@@ -203,6 +206,8 @@ pub struct BenchmarkResult {
     pub interrupted: bool,
     /// Wall-clock time of the whole run, seconds.
     pub wall_s: f64,
+    /// 1-minute load average when the run started and when it ended.
+    pub load_average: (Option<f64>, Option<f64>),
 }
 
 impl BenchmarkResult {
@@ -305,10 +310,19 @@ pub fn run(
     command: &str,
 ) -> Result<BenchmarkResult, BenchmarkError> {
     let started = std::time::Instant::now();
+    let load_before = crate::machine::load_average();
     std::fs::create_dir_all(&opts.workdir).map_err(|source| BenchmarkError::Io {
         path: opts.workdir.display().to_string(),
         source,
     })?;
+    // Absolute, because nginx resolves relative paths against its own prefix.
+    let opts = &BenchmarkOptions {
+        workdir: std::fs::canonicalize(&opts.workdir).map_err(|source| BenchmarkError::Io {
+            path: opts.workdir.display().to_string(),
+            source,
+        })?,
+        ..opts.clone()
+    };
     let machine = Machine::detect();
     let manifest = read_manifest(&opts.cache);
     let paced_path = opts.workdir.join("paced-profile.yaml");
@@ -340,7 +354,19 @@ pub fn run(
         if stopped() {
             break;
         }
-        targets.push(measure_target(kind, &ctx, opts, rt, stop));
+        targets.push(measure_target(kind, kind.name(), &ctx, opts, rt, stop));
+    }
+    // The baseline again, after every proxy: the two direct runs bracket the proxies' runs,
+    // their mean is what "added" subtracts, and their difference shows the noise.
+    if targets.len() > 1 && !stopped() {
+        targets.push(measure_target(
+            TargetKind::Direct,
+            "direct (repeat)",
+            &ctx,
+            opts,
+            rt,
+            stop,
+        ));
     }
 
     let mut tailcut = Vec::new();
@@ -395,19 +421,21 @@ pub fn run(
         tailcut,
         interrupted: stopped(),
         wall_s: started.elapsed().as_secs_f64(),
+        load_average: (load_before, crate::machine::load_average()),
     })
 }
 
 /// Starts one target, runs every overhead scenario against it, stops it.
 fn measure_target(
     kind: TargetKind,
+    label: &str,
     ctx: &peers::LaunchContext<'_>,
     opts: &BenchmarkOptions,
     rt: &Runtime,
     stop: &watch::Receiver<bool>,
 ) -> TargetResult {
-    let mut res = TargetResult::new(kind);
-    say(opts, &format!("== {}: starting", kind.name()));
+    let mut res = TargetResult::new(kind, label);
+    say(opts, &format!("== {label}: starting"));
     let mut launched = match peers::launch(kind, ctx) {
         Ok(l) => l,
         Err(reason) => {

@@ -113,8 +113,31 @@ impl Table {
     }
 }
 
+/// Mean of `f` over the direct runs (before and after the proxies): the baseline that every
+/// "added" number subtracts. Averaging the two halves the effect of a disturbance in one.
+fn baseline(res: &BenchmarkResult, f: impl Fn(&TargetResult) -> Option<f64>) -> Option<f64> {
+    let v: Vec<f64> = res
+        .targets
+        .iter()
+        .filter(|t| t.kind == TargetKind::Direct && t.unavailable.is_none())
+        .filter_map(f)
+        .collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
 fn measured(res: &BenchmarkResult) -> impl Iterator<Item = &TargetResult> {
     res.targets.iter().filter(|t| t.unavailable.is_none())
+}
+
+/// The first line of a failure reason, at most 200 characters (the full text is in the
+/// run's stderr and the target's log).
+fn short_reason(why: &str) -> String {
+    let first = why.lines().next().unwrap_or("").trim_end_matches(':');
+    let mut s: String = first.chars().take(200).collect();
+    if first.chars().count() > 200 {
+        s.push_str(" ...");
+    }
+    s
 }
 
 /// The full Markdown page.
@@ -132,7 +155,14 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
         );
     }
     let _ = writeln!(out, "- command: `{}`", res.command);
-    let _ = writeln!(out, "- machine: {}", res.machine);
+    let la = |v: Option<f64>| opt(v, |v| format!("{v:.2}"));
+    let _ = writeln!(
+        out,
+        "- machine: {} (1-minute load average {} at the start, {} at the end)",
+        res.machine,
+        la(res.load_average.0),
+        la(res.load_average.1)
+    );
     let _ = writeln!(
         out,
         "- wall time of the run: {:.0} s (plus peer installation and the release build)",
@@ -158,24 +188,23 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
     let mut t = Table::new(&["target", "version", "configuration", "status"]).text_cols(4);
     for r in &res.targets {
         t.row(vec![
-            r.kind.name().to_owned(),
+            r.label.clone(),
             r.version.clone(),
             r.how.clone(),
             match &r.unavailable {
                 None => "measured".to_owned(),
-                Some(why) => format!("**not measured**: {}", why.replace('\n', " ")),
+                Some(why) => format!("**not measured**: {}", short_reason(why)),
             },
         ]);
     }
     t.render(&mut out);
 
-    let direct = res.target(TargetKind::Direct);
     let sidecar = res.target(TargetKind::Sidecar);
 
     let _ = writeln!(out, "## Added latency, non-streaming\n");
     let _ = writeln!(
         out,
-        "Latency in ms. *Added* = the target's percentile minus the direct run's at the same rate. *vs sidecar* = the target's added P99 divided by the sidecar's.\n"
+        "Latency in ms. *Added* = the target's percentile minus the baseline: the mean of the two direct runs at that rate (one before all proxies, one after them; their difference is the run-to-run noise). *vs sidecar* = the target's added P99 divided by the sidecar's.\n"
     );
     let mut t = Table::new(&[
         "rate req/s",
@@ -190,21 +219,19 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
     ])
     .text_cols(2);
     for &rate in &res.rates {
-        let d = direct.and_then(|d| d.at_rate(rate));
-        let s_added = diff(
-            sidecar.and_then(|s| s.at_rate(rate)).and_then(p99),
-            d.and_then(p99),
-        );
+        let b50 = baseline(res, |t| t.at_rate(rate).and_then(p50));
+        let b99 = baseline(res, |t| t.at_rate(rate).and_then(p99));
+        let s_added = diff(sidecar.and_then(|s| s.at_rate(rate)).and_then(p99), b99);
         for target in measured(res) {
             let run = target.rates.iter().find(|r| (r.rate - rate).abs() < 1e-9);
             match run.and_then(|r| r.report.as_ref()) {
                 Some(r) => {
                     let is_direct = target.kind == TargetKind::Direct;
-                    let a50 = diff(p50(r), d.and_then(p50)).filter(|_| !is_direct);
-                    let a99 = diff(p99(r), d.and_then(p99)).filter(|_| !is_direct);
+                    let a50 = diff(p50(r), b50).filter(|_| !is_direct);
+                    let a99 = diff(p99(r), b99).filter(|_| !is_direct);
                     t.row(vec![
                         format!("{rate}"),
-                        target.kind.name().to_owned(),
+                        target.label.clone(),
                         opt(p50(r), f3),
                         opt(p99(r), f3),
                         opt(a50, f3),
@@ -222,7 +249,7 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
                     let why = run
                         .and_then(|r| r.skipped.clone())
                         .unwrap_or_else(|| "not run".to_owned());
-                    t.row(vec![format!("{rate}"), target.kind.name().to_owned(), why]);
+                    t.row(vec![format!("{rate}"), target.label.clone(), why]);
                 }
             }
         }
@@ -240,17 +267,18 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
         );
         let _ = writeln!(
             out,
-            "{rate} req/s of streamed chat completions from the paced upstream (20 tokens, 5 ms apart). ms; added = minus direct. A proxy that re-buffers a stream shows a TTFT near the whole stream's length (~100 ms) and gaps near zero.\n"
+            "{rate} req/s of streamed chat completions from the paced upstream (20 tokens, 5 ms apart). ms; added = minus the mean of the two direct runs. A proxy that re-buffers a stream shows a TTFT near the whole stream's length (~100 ms) and gaps near zero.\n"
         );
-        let ds = direct.and_then(|d| d.stream.as_ref());
-        let ttft = |r: &Report, f: fn(&crate::bench::Percentiles) -> f64| r.ttft_ms.as_ref().map(f);
-        let gap =
-            |r: &Report, f: fn(&crate::bench::Percentiles) -> f64| r.inter_token_ms.as_ref().map(f);
+        type Pick = fn(&crate::bench::Percentiles) -> f64;
+        let ttft = |r: &Report, f: Pick| r.ttft_ms.as_ref().map(f);
+        let gap = |r: &Report, f: Pick| r.inter_token_ms.as_ref().map(f);
+        let base_ttft = |f: Pick| baseline(res, |t| t.stream.as_ref().and_then(|r| ttft(r, f)));
+        let base_gap = |f: Pick| baseline(res, |t| t.stream.as_ref().and_then(|r| gap(r, f)));
         let s_added = diff(
             sidecar
                 .and_then(|s| s.stream.as_ref())
                 .and_then(|r| ttft(r, |p| p.p99)),
-            ds.and_then(|r| ttft(r, |p| p.p99)),
+            base_ttft(|p| p.p99),
         );
         let mut t = Table::new(&[
             "target",
@@ -266,20 +294,17 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
         ]);
         for target in measured(res) {
             let Some(r) = target.stream.as_ref() else {
-                t.row(vec![target.kind.name().to_owned(), "not run".to_owned()]);
+                t.row(vec![target.label.clone(), "not run".to_owned()]);
                 continue;
             };
             let is_direct = target.kind == TargetKind::Direct;
             let added = |v: Option<f64>, base: Option<f64>| diff(v, base).filter(|_| !is_direct);
-            let a99 = added(ttft(r, |p| p.p99), ds.and_then(|d| ttft(d, |p| p.p99)));
+            let a99 = added(ttft(r, |p| p.p99), base_ttft(|p| p.p99));
             t.row(vec![
-                target.kind.name().to_owned(),
+                target.label.clone(),
                 opt(ttft(r, |p| p.p50), f3),
                 opt(ttft(r, |p| p.p99), f3),
-                opt(
-                    added(ttft(r, |p| p.p50), ds.and_then(|d| ttft(d, |p| p.p50))),
-                    f3,
-                ),
+                opt(added(ttft(r, |p| p.p50), base_ttft(|p| p.p50)), f3),
                 opt(a99, f3),
                 if is_direct || target.kind == TargetKind::Sidecar {
                     "-".to_owned()
@@ -288,10 +313,7 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
                 },
                 opt(gap(r, |p| p.p50), f3),
                 opt(gap(r, |p| p.p99), f3),
-                opt(
-                    added(gap(r, |p| p.p99), ds.and_then(|d| gap(d, |p| p.p99))),
-                    f3,
-                ),
+                opt(added(gap(r, |p| p.p99), base_gap(|p| p.p99)), f3),
                 format!("{:.2}", r.error_rate_percent),
             ]);
         }
@@ -317,11 +339,11 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
     ]);
     for target in measured(res) {
         let Some(r) = target.saturation.as_ref() else {
-            t.row(vec![target.kind.name().to_owned(), "not run".to_owned()]);
+            t.row(vec![target.label.clone(), "not run".to_owned()]);
             continue;
         };
         t.row(vec![
-            target.kind.name().to_owned(),
+            target.label.clone(),
             format!("{:.0}", r.throughput_rps),
             match s_thr {
                 Some(s) if s > 0.0 && target.kind != TargetKind::Sidecar => {
@@ -344,7 +366,7 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
     let mut t = Table::new(&["target", "idle MiB", "peak under load MiB", "processes"]);
     for target in measured(res).filter(|t| t.kind != TargetKind::Direct) {
         t.row(vec![
-            target.kind.name().to_owned(),
+            target.label.clone(),
             mib(target.rss_idle_kib),
             mib(target.rss_peak_kib),
             target.processes.to_string(),
@@ -395,6 +417,7 @@ fn render_tailcut(tc: &TailCut, out: &mut String) {
     let ms0 = |v: Option<f64>| opt(v, |v| format!("{v:.0} ms"));
     let lower = |d: Option<f64>, s: Option<f64>| match (d, s) {
         (Some(d), Some(s)) if s > 0.0 => format!("{:.1}x lower", d / s),
+        (Some(d), Some(s)) if d > 0.0 && s == 0.0 => "none left".to_owned(),
         _ => "-".to_owned(),
     };
     type Metric = fn(&Report) -> Option<f64>;
@@ -460,12 +483,11 @@ fn render_tailcut(tc: &TailCut, out: &mut String) {
 /// "met" / "MISSED ..." lines for the project's goals, computed from this run.
 pub fn targets_summary(res: &BenchmarkResult) -> Vec<String> {
     let mut lines = Vec::new();
-    let direct = res.target(TargetKind::Direct);
     let sidecar = res.target(TargetKind::Sidecar);
     let added99 = |t: Option<&TargetResult>, rate: f64| {
         diff(
             t.and_then(|t| t.at_rate(rate)).and_then(p99),
-            direct.and_then(|d| d.at_rate(rate)).and_then(p99),
+            baseline(res, |d| d.at_rate(rate).and_then(p99)),
         )
     };
     // (peer, the sidecar's added P99 must be at most this fraction of the peer's)
@@ -476,11 +498,18 @@ pub fn targets_summary(res: &BenchmarkResult) -> Vec<String> {
     ];
     for (peer, factor, label) in goals {
         let pt = res.target(peer);
+        if pt.is_none() {
+            lines.push(format!(
+                "sidecar added P99 {label}: not checked, {} was not among the targets of this run",
+                peer.name()
+            ));
+            continue;
+        }
         if let Some(why) = pt.and_then(|p| p.unavailable.as_ref()) {
             lines.push(format!(
                 "sidecar added P99 {label}: not checked, {} was not measured ({})",
                 peer.name(),
-                why.lines().next().unwrap_or("")
+                short_reason(why)
             ));
             continue;
         }

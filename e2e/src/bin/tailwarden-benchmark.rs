@@ -38,7 +38,7 @@ struct Args {
     #[arg(long, default_value = "100,500,1000", value_delimiter = ',')]
     rates: Vec<f64>,
     /// Measured length of each fixed-rate and streaming run.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    #[arg(long, value_parser = parse_duration, default_value = "15s")]
     duration: Duration,
     /// Unmeasured warm-up before each run.
     #[arg(long, value_parser = parse_duration, default_value = "2s")]
