@@ -177,6 +177,48 @@ pub struct Provider {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub pricing: Vec<Pricing>,
+
+    /// Request parameters the provider's models do not support, and what to do with
+    /// requests that use them. Every rule whose `models` include the provider model applies.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub capabilities: Vec<CapabilityRule>,
+}
+
+/// Parameters some of a provider's models do not support.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("size(self.unsupported) > 0").message("unsupported must list at least one parameter").field_path(".unsupported"),
+    validation = Rule::new("!self.unsupported.exists(p, p == 'model' || p == 'messages' || p == 'prompt' || p == 'input' || p == 'stream')").message("model, messages, prompt, input and stream cannot be unsupported").field_path(".unsupported")
+)]
+pub struct CapabilityRule {
+    /// Provider model names (after `modelMap`) the rule applies to. Empty: all models of
+    /// the provider.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 253)))]
+    pub models: Vec<String>,
+    /// Top-level request parameters the models do not support, such as `response_format`,
+    /// `tools`, `tool_choice`, `logprobs` or `seed`.
+    #[serde(default)]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 64)))]
+    pub unsupported: Vec<String>,
+    /// `drop`: send the request without those parameters; `reject`: do not send such
+    /// requests to this provider — another provider of the route takes them, and when none
+    /// can the client gets a 400 naming the parameter. Default `drop`.
+    #[serde(default)]
+    pub on_unsupported: OnUnsupported,
+}
+
+/// What to do with a request that uses an unsupported parameter.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum OnUnsupported {
+    /// Remove the parameter from the request sent to this provider.
+    #[default]
+    Drop,
+    /// Do not send the request to this provider.
+    Reject,
 }
 
 /// Where an API key comes from: exactly one of `secretRef`, `env` or `file`.
@@ -267,7 +309,9 @@ pub struct Tier {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(
-    validation = Rule::new("!has(self.minPromptChars) || !has(self.maxPromptChars) || self.minPromptChars <= self.maxPromptChars").message("minPromptChars must not exceed maxPromptChars").field_path(".minPromptChars")
+    validation = Rule::new("!has(self.minPromptChars) || !has(self.maxPromptChars) || self.minPromptChars <= self.maxPromptChars").message("minPromptChars must not exceed maxPromptChars").field_path(".minPromptChars"),
+    validation = Rule::new("!has(self.minMessages) || !has(self.maxMessages) || self.minMessages <= self.maxMessages").message("minMessages must not exceed maxMessages").field_path(".minMessages"),
+    validation = Rule::new("!has(self.headers) || self.headers.all(k, k.matches('^[A-Za-z0-9-]+$'))").message("headers keys must be HTTP header names").field_path(".headers")
 )]
 pub struct TierMatch {
     /// The prompt (all message text) has at most this many characters.
@@ -279,14 +323,31 @@ pub struct TierMatch {
     /// The request has at most this many messages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_messages: Option<u64>,
-    /// The prompt contains at least one of these words (case-insensitive).
+    /// The request has at least this many messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_messages: Option<u64>,
+    /// The prompt contains at least one of these words or phrases: case-insensitive and
+    /// whole words only (`design` does not match `designer`); the spaces of a phrase match
+    /// any run of whitespace.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), inner(length(min = 1, max = 128)))]
     pub any_of_keywords: Vec<String>,
-    /// The prompt contains none of these words (case-insensitive).
+    /// The prompt contains none of these words or phrases (matched like `anyOfKeywords`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), inner(length(min = 1, max = 128)))]
     pub none_of_keywords: Vec<String>,
+    /// The prompt matches this regular expression (RE2 syntax, as Go and Rust's `regex`: no
+    /// look-around or backreferences, so matching takes linear time). Case-sensitive unless
+    /// it starts with `(?i)`. An invalid or oversized expression is rejected when the config
+    /// loads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub regex: Option<String>,
+    /// Request headers that must be present with exactly these values. Names are
+    /// case-insensitive, values are compared as they are.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 16))]
+    pub headers: BTreeMap<String, String>,
 }
 
 /// Per-phase deadlines. A stream that has started is cut only by `idle` or `total`.
@@ -559,32 +620,66 @@ pub struct Slo {
     validation = Rule::new("!has(self.tokensPerMinute) || self.tokensPerMinute >= 1").message("tokensPerMinute must be at least 1").field_path(".tokensPerMinute"),
     validation = Rule::new("!has(self.maxConcurrent) || self.maxConcurrent >= 1").message("maxConcurrent must be at least 1").field_path(".maxConcurrent"),
     validation = Rule::new("!has(self.tenantHeader) || self.tenantHeader.matches('^[A-Za-z0-9-]+$')").message("tenantHeader must be an HTTP header name").field_path(".tenantHeader"),
-    validation = Rule::new("self.backend != 'redis' || has(self.redis)").message("backend redis needs a redis section with the server address").field_path(".redis")
+    validation = Rule::new("self.backend != 'redis' || has(self.redis)").message("backend redis needs a redis section with the server address").field_path(".redis"),
+    validation = Rule::new("!has(self.perTenant) || has(self.tenantHeader)").message("perTenant limits need tenantHeader").field_path(".perTenant")
 )]
 pub struct RateLimit {
-    /// Requests per second (token bucket, bursts up to one second's worth).
+    /// Requests per second for the whole route (token bucket, bursts up to one second's
+    /// worth). Over it: 429.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests_per_second: Option<u32>,
-    /// Tokens (input + output) per minute. An estimate is reserved when a request is
-    /// admitted and settled with the real usage when it ends, streams included.
+    /// Tokens (input + output) per minute for the whole route (bursts up to one minute's
+    /// worth). An estimate (prompt characters / 4 plus `max_tokens`, or 1000 without it) is
+    /// reserved when a request is admitted and settled with the real usage when it ends,
+    /// streams included. Over it: 429.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
-    /// Requests in flight at once; more wait in a queue up to `queueTimeout`.
+    /// Requests of the route in flight at once in this sidecar; more wait in a FIFO queue
+    /// up to `queueTimeout`, then are shed with 503.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
     /// Longest wait for a concurrency slot before the request is shed. Default `500ms`.
     #[serde(default = "defaults::queue_timeout")]
     pub queue_timeout: DurationString,
-    /// Request header naming the tenant: when set, the limits apply per tenant.
+    /// Most requests waiting for a concurrency slot; more are shed at once. Default: the
+    /// concurrency limit itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_queued: Option<u32>,
+    /// Request header naming the tenant, for `perTenant` limits and the `tenant` cache
+    /// scope. Requests without it count as one anonymous tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 128))]
     pub tenant_header: Option<String>,
+    /// Limits of each tenant (each value of `tenantHeader`), checked before the route's.
+    /// Over them: 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_tenant: Option<TenantLimits>,
     /// Where the counters live: `local` (per sidecar) or `redis` (shared by all replicas).
     #[serde(default)]
     pub backend: Backend,
     /// The Redis server for `backend: redis`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redis: Option<Redis>,
+}
+
+/// Limits that apply to each tenant separately.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("!has(self.requestsPerSecond) || self.requestsPerSecond >= 1").message("requestsPerSecond must be at least 1").field_path(".requestsPerSecond"),
+    validation = Rule::new("!has(self.tokensPerMinute) || self.tokensPerMinute >= 1").message("tokensPerMinute must be at least 1").field_path(".tokensPerMinute"),
+    validation = Rule::new("!has(self.maxConcurrent) || self.maxConcurrent >= 1").message("maxConcurrent must be at least 1").field_path(".maxConcurrent")
+)]
+pub struct TenantLimits {
+    /// Requests per second of one tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_second: Option<u32>,
+    /// Tokens per minute of one tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests of one tenant in flight at once in this sidecar (queued like the route's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrent: Option<u32>,
 }
 
 /// Where shared state lives.
@@ -658,6 +753,10 @@ pub struct ExactCache {
     /// `shared`: by everyone using the route. Default `tenant`.
     #[serde(default)]
     pub scope: CacheScope,
+    /// Cache only deterministic requests (`temperature: 0`) unless the client sends
+    /// `x-tailwarden-cache: force`. `false` caches every request. Default true.
+    #[serde(default = "defaults::yes")]
+    pub deterministic_only: bool,
 }
 
 /// Who shares cache entries.

@@ -146,6 +146,30 @@ fn valid_routes_load() {
                 json!({"address": "redis.shop:6379"}),
             );
         }),
+        ("tiers on regex, headers and message counts", |d| {
+            set(
+                d,
+                "/spec/tiers/0/when",
+                json!({"regex": "(?i)\\bsql\\b", "headers": {"x-plan": "free"},
+                       "minMessages": 1, "maxMessages": 4}),
+            )
+        }),
+        ("per-tenant limits and a bounded queue", |d| {
+            set(d, "/spec/rateLimit/maxQueued", json!(32));
+            set(
+                d,
+                "/spec/rateLimit/perTenant",
+                json!({"requestsPerSecond": 5, "tokensPerMinute": 20000, "maxConcurrent": 4}),
+            );
+        }),
+        ("capability rules", |d| {
+            set(
+                d,
+                "/spec/providers/1/capabilities",
+                json!([{"models": ["llama-3"], "unsupported": ["tools", "tool_choice"], "onUnsupported": "reject"},
+                       {"unsupported": ["response_format"]}]),
+            )
+        }),
     ];
     for (name, edit) in cases {
         let mut doc = base();
@@ -481,6 +505,73 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             |d| set(d, "/spec/rateLimit/tenantHeader", json!("x tenant")),
             "spec.rateLimit.tenantHeader",
             "tenantHeader must be an HTTP header name",
+        ),
+        (
+            "perTenant without tenantHeader",
+            |d| {
+                remove(d, "/spec/rateLimit/tenantHeader");
+                set(
+                    d,
+                    "/spec/rateLimit/perTenant",
+                    json!({"requestsPerSecond": 5}),
+                );
+            },
+            "spec.rateLimit.perTenant",
+            "perTenant limits need tenantHeader",
+        ),
+        (
+            "perTenant zero tokens",
+            |d| {
+                set(
+                    d,
+                    "/spec/rateLimit/perTenant",
+                    json!({"tokensPerMinute": 0}),
+                )
+            },
+            "spec.rateLimit.perTenant.tokensPerMinute",
+            "tokensPerMinute must be at least 1",
+        ),
+        (
+            "tier header name with a space",
+            |d| set(d, "/spec/tiers/0/when/headers", json!({"x plan": "free"})),
+            "spec.tiers[0].when.headers",
+            "headers keys must be HTTP header names",
+        ),
+        (
+            "tier min messages above max",
+            |d| {
+                set(
+                    d,
+                    "/spec/tiers/0/when",
+                    json!({"minMessages": 5, "maxMessages": 2}),
+                )
+            },
+            "spec.tiers[0].when.minMessages",
+            "minMessages must not exceed maxMessages",
+        ),
+        (
+            "capability rule without parameters",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/1/capabilities",
+                    json!([{"unsupported": []}]),
+                )
+            },
+            "spec.providers[1].capabilities[0].unsupported",
+            "unsupported must list at least one parameter",
+        ),
+        (
+            "capability rule dropping messages",
+            |d| {
+                set(
+                    d,
+                    "/spec/providers/1/capabilities",
+                    json!([{"unsupported": ["tools", "messages"], "onUnsupported": "drop"}]),
+                )
+            },
+            "spec.providers[1].capabilities[0].unsupported",
+            "model, messages, prompt, input and stream cannot be unsupported",
         ),
         (
             "cache zero entries",
