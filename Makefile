@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
+.PHONY: all build test unit e2e sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
 
 all: build
 
@@ -14,10 +14,16 @@ build:
 ## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk
 
-unit: tools
+unit: tools sdk-deps
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  TAILWARDEN_HELM=$$(e2e/controlplane/build.sh | tail -n 1)/helm \
 	  $(CARGO) test --workspace --no-fail-fast
+
+## e2e: the user journey on a real local control plane (helm install → route → injected pods
+## → sidecar → OpenAI SDK → route change → delete → helm uninstall). Also part of `make test`.
+e2e: tools sdk-deps
+	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
+	  $(CARGO) test -p tailwarden-e2e --test journey -- --nocapture
 
 ## tools: helm and the local Kubernetes control plane, built once from the Go module proxy.
 tools:
@@ -52,10 +58,13 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 ## crds: regenerate the CRD and the field reference from the Rust types (a test fails on drift).
+# Written through temporary files, so a failed generator never leaves an empty CRD behind.
 crds:
-	$(CARGO) run -q -p tailwarden-operator -- crd > crds/inferenceroute.yaml
+	$(CARGO) run -q -p tailwarden-operator -- crd > crds/.inferenceroute.yaml.tmp
+	$(CARGO) run -q -p tailwarden-operator -- reference > docs/.inferenceroute-reference.md.tmp
+	mv crds/.inferenceroute.yaml.tmp crds/inferenceroute.yaml
+	mv docs/.inferenceroute-reference.md.tmp docs/inferenceroute-reference.md
 	cp crds/inferenceroute.yaml charts/tailwarden/crds/inferenceroute.yaml
-	$(CARGO) run -q -p tailwarden-operator -- reference > docs/inferenceroute-reference.md
 
 # Release binaries land here (honours CARGO_TARGET_DIR like cargo does).
 TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)

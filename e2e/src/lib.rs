@@ -9,6 +9,8 @@
 //!   provider and through the real sidecar, side by side.
 //! * [`benchmark`] — `tailwarden-benchmark` (`make bench`): the sidecar's overhead next to
 //!   nginx, LiteLLM and Portkey, and the tail-cut scenario; writes `docs/benchmarks.md`.
+//! * [`controlplane`] — a real kube-apiserver, etcd, controller-manager, scheduler and kwok
+//!   on loopback for the operator and end-to-end tests.
 //! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax the command lines share.
 //! * [`proc`], [`sidecar`], [`fetch`], [`machine`] — child processes (process groups, RSS),
 //!   the sidecar binary, a blocking control-plane HTTP client, and the machine description
@@ -19,6 +21,7 @@
 
 pub mod bench;
 pub mod benchmark;
+pub mod controlplane;
 pub mod demo;
 pub mod duration;
 pub mod fetch;

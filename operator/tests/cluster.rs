@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -27,39 +26,20 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// A control plane for the duration of the test; torn down on drop, even on panic.
-struct ControlPlane {
-    dir: PathBuf,
-    env: BTreeMap<String, String>,
-}
+/// The shared harness (e2e/src/controlplane.rs), plus a kube client and a `kubectl` that
+/// returns (success, output).
+struct ControlPlane(tailwarden_e2e::controlplane::ControlPlane);
 
 impl ControlPlane {
     fn up() -> Self {
-        let dir = std::env::temp_dir().join(format!("tw-op-cluster-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut cmd = Command::new(root().join("e2e/controlplane/up.sh"));
-        cmd.args(["--owner-pid", &std::process::id().to_string()])
-            .arg(&dir);
-        if let Ok(bin) = std::env::var("TAILWARDEN_CONTROLPLANE_BIN") {
-            cmd.env("CONTROLPLANE_BIN", bin);
+        match tailwarden_e2e::controlplane::ControlPlane::up("op-cluster") {
+            Ok(cp) => Self(cp),
+            Err(e) => panic!("{e}"),
         }
-        let out = cmd.output().expect("up.sh runs");
-        assert!(
-            out.status.success(),
-            "control plane failed to start (make tools builds it):\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let env = std::fs::read_to_string(dir.join("env"))
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        Self { dir, env }
     }
 
     async fn client(&self) -> Client {
-        let kubeconfig = Kubeconfig::read_from(&self.env["KUBECONFIG"]).unwrap();
+        let kubeconfig = Kubeconfig::read_from(self.0.var("KUBECONFIG")).unwrap();
         let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
             .unwrap();
@@ -67,38 +47,12 @@ impl ControlPlane {
     }
 
     fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> (bool, String) {
-        let mut child = Command::new(&self.env["KUBECTL"])
-            .args(args)
-            .env("KUBECONFIG", &self.env["KUBECONFIG"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        if let Some(text) = stdin {
-            use std::io::Write;
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(text.as_bytes())
-                .unwrap();
-        }
-        let out = child.wait_with_output().unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), text)
+        let out = self.0.kubectl(args, stdin);
+        (out.ok, out.text)
     }
-}
 
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        let _ = Command::new(root().join("e2e/controlplane/down.sh"))
-            .arg(&self.dir)
-            .output();
+    fn var(&self, key: &str) -> &str {
+        self.0.var(key)
     }
 }
 
@@ -121,7 +75,7 @@ impl Operator {
                 "--webhook-ip-san",
                 "127.0.0.1",
             ])
-            .env("KUBECONFIG", &cp.env["KUBECONFIG"])
+            .env("KUBECONFIG", cp.var("KUBECONFIG"))
             .env("POD_NAMESPACE", "tailwarden-system")
             .env("POD_NAME", "test-operator")
             .stdout(Stdio::null())
@@ -156,7 +110,7 @@ impl LeaderOperator {
                 "--sidecar-image",
                 "tailwarden/sidecar:test",
             ])
-            .env("KUBECONFIG", &cp.env["KUBECONFIG"])
+            .env("KUBECONFIG", cp.var("KUBECONFIG"))
             .env("POD_NAMESPACE", "tailwarden-system")
             .env("POD_NAME", identity)
             .stdout(Stdio::null())
@@ -299,7 +253,7 @@ async fn operator_on_a_real_api_server() {
 
     // The webhook configuration, pointed at the operator on loopback.
     let port = free_port();
-    let helm = &cp.env["HELM"];
+    let helm = cp.var("HELM");
     let rendered = Command::new(helm)
         .args([
             "template",
