@@ -10,7 +10,7 @@ use std::{sync::Arc, time::Duration};
 use rust_decimal::{Decimal, prelude::ToPrimitive};
 use tokio::time::Instant;
 
-use crate::{metrics::Metrics, sse::SseEvent};
+use crate::{metrics::Metrics, sse::SseEvent, telemetry};
 
 /// Token counts of one response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -43,6 +43,39 @@ impl Price {
     }
 }
 
+/// The objectives of a route's `slo` each request is judged against.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SloTargets {
+    /// `ttftP99`: streamed requests whose first token came within it met the objective.
+    pub ttft: Option<Duration>,
+    /// `latencyP99`: successful requests that ended within it met the objective.
+    pub latency: Option<Duration>,
+    /// `availabilityPercent` as a ratio: requests that did not fail (5xx, a stream error)
+    /// met it; requests the client closed are not judged.
+    pub availability: Option<f64>,
+}
+
+impl SloTargets {
+    pub fn of(spec: &tailwarden_crds::InferenceRouteSpec) -> Self {
+        let Some(slo) = &spec.slo else {
+            return Self::default();
+        };
+        Self {
+            ttft: slo.ttft_p99.as_ref().map(|d| d.get()),
+            latency: slo.latency_p99.as_ref().map(|d| d.get()),
+            availability: slo
+                .availability_percent
+                .as_ref()
+                .and_then(|p| p.get().to_f64())
+                .map(|p| p / 100.0),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ttft.is_none() && self.latency.is_none() && self.availability.is_none()
+    }
+}
+
 /// What is known about a request when its response starts.
 #[derive(Debug, Clone)]
 pub struct RequestInfo {
@@ -61,6 +94,11 @@ pub struct RequestInfo {
     pub overhead: Duration,
     pub request_bytes: usize,
     pub price: Option<Price>,
+    pub slo: SloTargets,
+    /// The request's OpenTelemetry SERVER span ([`tracing::Span::none`] when tracing is off).
+    pub span: tracing::Span,
+    /// The CLIENT span of the attempt that answered, ended with the request.
+    pub attempt_span: tracing::Span,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +118,8 @@ pub struct Recorder {
     content_chunks: u64,
     done_seen: bool,
     body_bytes: usize,
+    /// The `model` the provider reported, for `gen_ai.response.model` (traced requests only).
+    response_model: Option<String>,
 }
 
 impl Recorder {
@@ -97,6 +137,7 @@ impl Recorder {
             content_chunks: 0,
             done_seen: false,
             body_bytes: 0,
+            response_model: None,
         }
     }
 
@@ -116,6 +157,10 @@ impl Recorder {
         self.usage = Some(usage);
     }
 
+    pub fn set_response_model(&mut self, model: Option<String>) {
+        self.response_model = model;
+    }
+
     pub fn add_body_bytes(&mut self, n: usize) {
         self.body_bytes += n;
     }
@@ -129,6 +174,12 @@ impl Recorder {
         }
         if matches!(event, SseEvent::Done) {
             self.done_seen = true;
+        }
+        if let SseEvent::Data { model: Some(m), .. } = event
+            && self.response_model.is_none()
+            && !self.info.span.is_none()
+        {
+            self.response_model = Some(m.clone());
         }
         if let SseEvent::Data { usage: Some(u), .. } = event {
             self.usage = Some(Usage {
@@ -223,11 +274,41 @@ impl Drop for Recorder {
                 cost = Some(c);
             }
         }
+        // Time per output token: streams that ended well, from the first token on.
+        if let (Some(ttft), Some(u), "2xx") = (self.ttft, &usage, class)
+            && i.stream
+            && u.output > 1
+        {
+            let per_token = total.saturating_sub(ttft).as_secs_f64() / (u.output - 1) as f64;
+            m.tpot
+                .with_label_values(&[&i.route, provider, &i.model])
+                .observe(per_token);
+        }
+        if !i.slo.is_empty() {
+            self.judge_slo(class, total);
+        }
         let error_type = match (self.outcome, &self.error_type) {
             (Outcome::InProgress, _) => Some("client_closed"),
             (_, Some(e)) => Some(e.as_str()),
             _ => None,
         };
+        if !i.span.is_none() {
+            telemetry::finish(
+                &i.span,
+                &i.attempt_span,
+                &telemetry::Finish {
+                    status: i.status,
+                    provider,
+                    response_model: self.response_model.as_deref(),
+                    usage,
+                    ttft: self.ttft,
+                    attempts: i.attempts,
+                    hedged: i.hedged,
+                    error_type,
+                    failed: matches!(class, "5xx" | "stream_error"),
+                },
+            );
+        }
         tracing::info!(
             target: "tailwarden::access",
             request_id = %i.request_id,
@@ -252,6 +333,33 @@ impl Drop for Recorder {
             error_type = error_type,
             "request"
         );
+        // End the attempt's CLIENT span before the request's SERVER span.
+        drop(std::mem::replace(
+            &mut self.info.attempt_span,
+            tracing::Span::none(),
+        ));
+    }
+}
+
+impl Recorder {
+    /// Counts the request against each objective of the route's `slo`.
+    fn judge_slo(&self, class: &str, total: Duration) {
+        let i = &self.info;
+        let count = |objective: &str, met: bool| {
+            i.metrics
+                .slo_requests
+                .with_label_values(&[&*i.route, objective, if met { "met" } else { "missed" }])
+                .inc();
+        };
+        if i.slo.availability.is_some() && class != "client_closed" {
+            count("availability", !matches!(class, "5xx" | "stream_error"));
+        }
+        if let (Some(target), Some(ttft)) = (i.slo.ttft, self.ttft) {
+            count("ttft", ttft <= target);
+        }
+        if let (Some(target), "2xx") = (i.slo.latency, class) {
+            count("latency", total <= target);
+        }
     }
 }
 

@@ -67,11 +67,14 @@ fn route(app: &App, req: &Request<Incoming>, exposure: Exposure) -> Response<Ful
                 reply(StatusCode::OK, "text/plain", "ready\n")
             }
         }
-        "/metrics" => reply(
-            StatusCode::OK,
-            "text/plain; version=0.0.4",
-            app.metrics.render(),
-        ),
+        "/metrics" => {
+            app.metrics.sample(&app.table.load());
+            reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                app.metrics.render(),
+            )
+        }
         "/config" => {
             let table = app.table.load();
             let status = app.config_status();

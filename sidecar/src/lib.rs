@@ -21,4 +21,5 @@ pub mod retry;
 pub mod routes;
 pub mod server;
 pub mod sse;
+pub mod telemetry;
 pub mod upstream;

@@ -5,7 +5,8 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, sync::atomic::Ordering, tim
 use anyhow::Context;
 use clap::Parser;
 use tailwarden_sidecar::{
-    admin, metrics::Metrics, proxy::App, reload, routes::RouteTable, server, upstream::PoolCache,
+    admin, metrics::Metrics, proxy::App, reload, routes::RouteTable, server, telemetry,
+    upstream::PoolCache,
 };
 use tokio::sync::watch;
 
@@ -45,23 +46,6 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     tailwarden_crds::units::parse_duration(s).map_err(|e| e.to_string())
 }
 
-fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TAILWARDEN_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if format == "json" {
-        builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .init();
-    } else {
-        builder.init();
-    }
-}
-
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
@@ -88,7 +72,8 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    init_logging(&args.log_format);
+    // Logs, and OpenTelemetry traces when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set.
+    let telemetry = telemetry::init(&args.log_format);
 
     let pools = PoolCache::default();
     let metrics = Arc::new(Metrics::new().context("registering metrics")?);
@@ -171,6 +156,10 @@ async fn main() -> anyhow::Result<()> {
     admin_task.abort();
     if let Some(t) = probe_task {
         t.abort();
+    }
+    if let Some(t) = telemetry {
+        // Exports the spans still queued; blocking, bounded by the export timeout.
+        let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
     }
     tracing::info!("stopped");
     Ok(())

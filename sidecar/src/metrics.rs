@@ -5,9 +5,11 @@
 //! Latency buckets run from 5 ms to 600 s because LLM calls routinely take minutes.
 
 use prometheus::{
-    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+use crate::{accounting::SloTargets, routes::RouteTable};
 
 /// Buckets for request, attempt and time-to-first-token durations.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -20,12 +22,19 @@ pub const OVERHEAD_BUCKETS: &[f64] = &[
     0.1,
 ];
 
+/// Buckets for the time per output token of a stream (after the first): 1 ms to 2.5 s,
+/// the OpenTelemetry GenAI advice with a finer low end for fast models.
+pub const TPOT_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+];
+
 /// All metrics of one sidecar process.
 pub struct Metrics {
     pub registry: Registry,
     pub requests: IntCounterVec,
     pub request_duration: HistogramVec,
     pub ttft: HistogramVec,
+    pub tpot: HistogramVec,
     pub attempt_duration: HistogramVec,
     pub overhead: HistogramVec,
     pub retries: IntCounterVec,
@@ -35,8 +44,14 @@ pub struct Metrics {
     pub tokens: IntCounterVec,
     pub cost: CounterVec,
     pub in_flight: IntGaugeVec,
+    pub slo_requests: IntCounterVec,
+    pub slo_objective: GaugeVec,
+    pub connections_in_use: IntGaugeVec,
+    pub connections_max: IntGaugeVec,
     pub config_reloads: IntCounterVec,
     pub config_valid: IntGauge,
+    /// Serialises the per-config series' reset-and-set against each other.
+    series_lock: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -76,6 +91,12 @@ impl Metrics {
                 "Time from arrival to the first content token of a streamed response.",
                 &["route", "provider", "model"],
                 LATENCY_BUCKETS,
+            )?,
+            tpot: histogram(
+                "tailwarden_time_per_output_token_seconds",
+                "Time per output token of a streamed response after the first: (total - TTFT) / (output tokens - 1).",
+                &["route", "provider", "model"],
+                TPOT_BUCKETS,
             )?,
             attempt_duration: histogram(
                 "tailwarden_upstream_attempt_duration_seconds",
@@ -138,6 +159,34 @@ impl Metrics {
                 ),
                 &["route"],
             )?,
+            slo_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_slo_requests_total",
+                    "Requests judged against each objective of the route's slo (ttft, latency, availability), by outcome (met, missed).",
+                ),
+                &["route", "objective", "outcome"],
+            )?,
+            slo_objective: GaugeVec::new(
+                Opts::new(
+                    "tailwarden_slo_objective_ratio",
+                    "Share of requests that must meet each objective of the route's slo: 0.99 for the P99 targets, availabilityPercent / 100.",
+                ),
+                &["route", "objective"],
+            )?,
+            connections_in_use: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_upstream_connections_in_use",
+                    "Requests holding one of the provider's maxConnections slots (for HTTP/1, its connections in use); sampled at scrape.",
+                ),
+                &["route", "provider"],
+            )?,
+            connections_max: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_upstream_connections_max",
+                    "The provider's maxConnections.",
+                ),
+                &["route", "provider"],
+            )?,
             config_reloads: IntCounterVec::new(
                 Opts::new(
                     "tailwarden_config_reloads_total",
@@ -149,11 +198,13 @@ impl Metrics {
                 "tailwarden_config_last_load_valid",
                 "1 when the last config file load was valid, 0 when the sidecar kept an older config.",
             )?,
+            series_lock: std::sync::Mutex::new(()),
             registry,
         };
         m.registry.register(Box::new(m.requests.clone()))?;
         m.registry.register(Box::new(m.request_duration.clone()))?;
         m.registry.register(Box::new(m.ttft.clone()))?;
+        m.registry.register(Box::new(m.tpot.clone()))?;
         m.registry.register(Box::new(m.attempt_duration.clone()))?;
         m.registry.register(Box::new(m.overhead.clone()))?;
         m.registry.register(Box::new(m.retries.clone()))?;
@@ -164,9 +215,68 @@ impl Metrics {
         m.registry.register(Box::new(m.tokens.clone()))?;
         m.registry.register(Box::new(m.cost.clone()))?;
         m.registry.register(Box::new(m.in_flight.clone()))?;
+        m.registry.register(Box::new(m.slo_requests.clone()))?;
+        m.registry.register(Box::new(m.slo_objective.clone()))?;
+        m.registry
+            .register(Box::new(m.connections_in_use.clone()))?;
+        m.registry.register(Box::new(m.connections_max.clone()))?;
         m.registry.register(Box::new(m.config_reloads.clone()))?;
         m.registry.register(Box::new(m.config_valid.clone()))?;
         Ok(m)
+    }
+
+    /// Series that exist per configured route and provider, set when a config is loaded: the
+    /// breaker state of every provider (0, closed: a reload starts new breakers), the SLO
+    /// objectives and their outcome counters (at 0 until a request is judged), and the pool
+    /// gauges. Series of routes and providers no longer configured are removed.
+    pub fn on_config(&self, table: &RouteTable) {
+        let _guard = self.series_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.breaker_state.reset();
+        self.slo_objective.reset();
+        for route in &table.routes {
+            let name: &str = &route.name;
+            for upstream in &route.upstreams {
+                self.breaker_state
+                    .with_label_values(&[name, &upstream.name])
+                    .set(0);
+            }
+            let slo = SloTargets::of(&route.spec);
+            for (objective, target) in [
+                ("ttft", slo.ttft.map(|_| 0.99)),
+                ("latency", slo.latency.map(|_| 0.99)),
+                ("availability", slo.availability),
+            ] {
+                let Some(target) = target else { continue };
+                self.slo_objective
+                    .with_label_values(&[name, objective])
+                    .set(target);
+                for outcome in ["met", "missed"] {
+                    self.slo_requests
+                        .with_label_values(&[name, objective, outcome]);
+                }
+            }
+        }
+        drop(_guard);
+        self.sample(table);
+    }
+
+    /// Gauges read from live state, refreshed before each scrape: connection slots in use.
+    pub fn sample(&self, table: &RouteTable) {
+        let _guard = self.series_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.connections_in_use.reset();
+        self.connections_max.reset();
+        for route in &table.routes {
+            for upstream in &route.upstreams {
+                let pool = &upstream.pool;
+                let max = i64::from(pool.max_connections);
+                let free = i64::try_from(pool.limit.available_permits()).unwrap_or(max);
+                let labels = [&*route.name, &*upstream.name];
+                self.connections_max.with_label_values(&labels).set(max);
+                self.connections_in_use
+                    .with_label_values(&labels)
+                    .set((max - free).max(0));
+            }
+        }
     }
 
     /// The text exposition format.

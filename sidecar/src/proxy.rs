@@ -22,9 +22,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use rand::Rng;
 use tokio::time::Instant;
+use tracing::Span;
 
 use crate::{
-    accounting::{Recorder, RequestInfo, Usage},
+    accounting::{Recorder, RequestInfo, SloTargets, Usage},
     body::{ProxyBody, Relay},
     breaker::{Permit, State, Transition},
     error::ApiError,
@@ -34,6 +35,7 @@ use crate::{
     retry::{self, FailureKind},
     routes::{Route, RouteTable, Upstream, choose_tier},
     sse::{SseEvent, SseForwarder},
+    telemetry::{self, KeyValue},
     upstream::PoolCache,
 };
 
@@ -117,9 +119,13 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ProxyBody
     if app.draining.load(Ordering::Relaxed) {
         return ApiError::shutting_down().into_response();
     }
-    match proxy(&app, req, suffix, arrived).await {
+    let span = telemetry::server_span(telemetry::operation(suffix), &path, req.headers());
+    match proxy(&app, req, suffix, arrived, &span).await {
         Ok(response) => response,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            telemetry::refused(&span, e.status.as_u16(), e.code.unwrap_or(e.kind));
+            e.into_response()
+        }
     }
 }
 
@@ -176,6 +182,8 @@ struct Call<'a> {
     body: &'a RequestBody<'a>,
     raw_body: &'a Bytes,
     deadline: Instant,
+    /// The request's SERVER span (none when tracing is off).
+    span: &'a Span,
 }
 
 async fn proxy(
@@ -183,6 +191,7 @@ async fn proxy(
     req: Request<Incoming>,
     suffix: &'static str,
     arrived: Instant,
+    span: &Span,
 ) -> Result<Response<ProxyBody>, ApiError> {
     let table = app.table.load_full();
     let limit = table.max_body_bytes.max(1);
@@ -191,6 +200,7 @@ async fn proxy(
     let route = table
         .route_for(&body.model)
         .ok_or_else(|| ApiError::model_not_found(&body.model))?;
+    telemetry::name_server_span(span, telemetry::operation(suffix), &body.model, &route.name);
     if raw_body.len() as u64 > route.settings.max_body_bytes {
         return Err(ApiError::too_large(route.settings.max_body_bytes));
     }
@@ -199,16 +209,24 @@ async fn proxy(
         .heartbeat
         .filter(|_| body.stream && suffix != "/embeddings");
     let Some(interval) = heartbeat else {
-        return Ok(respond(app, route, &headers, &raw_body, &body, suffix, arrived).await);
+        return Ok(respond(
+            app, route, &headers, &raw_body, &body, suffix, arrived, span,
+        )
+        .await);
     };
     // Heartbeats: wait up to one interval for the response as usual; if it is not there yet,
     // commit a 200 event stream and send `: ping` comments while the attempts (retries and
     // fallback included) go on in the body. The owned future re-parses the body, which
     // parsed once already.
-    let (app, route) = (app.clone(), route.clone());
+    let (app, route, span) = (app.clone(), route.clone(), span.clone());
     let mut pending = Box::pin(async move {
         match RequestBody::parse(&raw_body) {
-            Ok(body) => respond(&app, &route, &headers, &raw_body, &body, suffix, arrived).await,
+            Ok(body) => {
+                respond(
+                    &app, &route, &headers, &raw_body, &body, suffix, arrived, &span,
+                )
+                .await
+            }
             Err(e) => e.into_response(),
         }
     });
@@ -219,6 +237,7 @@ async fn proxy(
 }
 
 /// Runs the attempts for a parsed request and builds the client response.
+#[allow(clippy::too_many_arguments)]
 async fn respond(
     app: &App,
     route: &Arc<Route>,
@@ -227,6 +246,7 @@ async fn respond(
     body: &RequestBody<'_>,
     suffix: &'static str,
     arrived: Instant,
+    span: &Span,
 ) -> Response<ProxyBody> {
     let tier = if route.tiers.is_empty() {
         None
@@ -248,6 +268,7 @@ async fn respond(
         body,
         raw_body,
         deadline: arrived + route.settings.total,
+        span,
     };
     let outcome = run(&call).await;
     let info = |status: u16,
@@ -270,6 +291,9 @@ async fn respond(
         overhead,
         request_bytes: raw_body.len(),
         price: upstream.and_then(|u| u.prices.get(u.provider_model(model)).cloned()),
+        slo: SloTargets::of(&route.spec),
+        span: span.clone(),
+        attempt_span: Span::none(),
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -283,11 +307,17 @@ async fn respond(
                 overhead,
             );
             info.overhead = overhead;
+            info.attempt_span = won.span;
             let mut recorder = Recorder::new(info);
             let body = match won.rest {
                 None => {
                     if let Some(usage) = won.usage {
                         recorder.set_usage(usage);
+                    }
+                    if !span.is_none() {
+                        recorder.set_response_model(
+                            won.held.front().and_then(|b| telemetry::body_model(b)),
+                        );
                     }
                     let total: usize = won.held.iter().map(Bytes::len).sum();
                     recorder.add_body_bytes(total);
@@ -413,6 +443,8 @@ struct Won {
     hedged: bool,
     dispatch_delay: Duration,
     committed_at: Instant,
+    /// The CLIENT span of the winning attempt (none when tracing is off).
+    span: Span,
 }
 
 /// The request failed: the response to send.
@@ -458,6 +490,8 @@ struct AttemptResult {
     hedge: bool,
     started_at: Instant,
     result: Result<Started, AttemptFailure>,
+    /// The attempt's CLIENT span, still open (none when tracing is off).
+    span: Span,
 }
 
 async fn run(call: &Call<'_>) -> Outcome {
@@ -536,7 +570,7 @@ async fn run(call: &Call<'_>) -> Outcome {
         tokio::select! {
             biased;
             Some(done) = inflight.next() => {
-                let AttemptResult { upstream: idx, slot, hedge, started_at, result } = done;
+                let AttemptResult { upstream: idx, slot, hedge, started_at, result, span } = done;
                 let upstream = &route.upstreams[idx];
                 let elapsed = started_at.elapsed();
                 let permit = permits.get_mut(slot).and_then(Option::take);
@@ -545,7 +579,12 @@ async fn run(call: &Call<'_>) -> Outcome {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, "ok"]).observe(elapsed.as_secs_f64());
                         record_success(call, idx, permit, elapsed);
                         if hedged {
-                            metrics.hedges.with_label_values(&[&*route.name, if hedge { "won" } else { "lost" }]).inc();
+                            let outcome = if hedge { "won" } else { "lost" };
+                            metrics.hedges.with_label_values(&[&*route.name, outcome]).inc();
+                            telemetry::event_with(call.span, "hedge", || vec![
+                                KeyValue::new("tailwarden.hedge.outcome", outcome),
+                                KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
+                            ]);
                         }
                         // Dropping `inflight` cancels the losing attempts now.
                         drop(inflight);
@@ -564,6 +603,7 @@ async fn run(call: &Call<'_>) -> Outcome {
                             hedged,
                             dispatch_delay,
                             committed_at: Instant::now(),
+                            span,
                         }));
                     }
                     Err(failure) => {
@@ -585,9 +625,21 @@ async fn run(call: &Call<'_>) -> Outcome {
                                 if at < call.deadline {
                                     retry_at = Some(at);
                                 }
+                                telemetry::event_with(call.span, "retry", || vec![
+                                    KeyValue::new("tailwarden.retry.reason", reason),
+                                    KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
+                                    KeyValue::new("tailwarden.attempt", i64::from(attempts)),
+                                    KeyValue::new("tailwarden.retry.backoff_ms", backoff.as_secs_f64() * 1000.0),
+                                    KeyValue::new("tailwarden.retry.scheduled", at < call.deadline),
+                                ]);
                             } else {
                                 tracing::debug!(route = %route.name, "retry budget exhausted; not retrying");
                                 metrics.retries.with_label_values(&[&*route.name, &*upstream.name, "budget_exhausted"]).inc();
+                                telemetry::event_with(call.span, "retry_denied", || vec![
+                                    KeyValue::new("tailwarden.retry.reason", reason),
+                                    KeyValue::new("tailwarden.retry.denied_by", "budget_exhausted"),
+                                    KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
+                                ]);
                             }
                         }
                     }
@@ -603,6 +655,11 @@ async fn run(call: &Call<'_>) -> Outcome {
                         tried.push(idx);
                         permits.push(Some(permit));
                         metrics.hedges.with_label_values(&[&*route.name, "started"]).inc();
+                        telemetry::event_with(call.span, "hedge", || vec![
+                            KeyValue::new("tailwarden.hedge.outcome", "started"),
+                            KeyValue::new("gen_ai.provider.name", route.upstreams[idx].name.to_string()),
+                            KeyValue::new("tailwarden.attempt", i64::from(attempts)),
+                        ]);
                         inflight.push(attempt(call, idx, permits.len() - 1, true));
                     }
             }
@@ -759,6 +816,14 @@ fn record_failure(
 fn log_transition(call: &Call<'_>, upstream: &Upstream, t: &Transition) {
     let route = &call.route.name;
     tracing::warn!(route = %route, provider = %upstream.name, from = t.from.as_str(), to = t.to.as_str(), reason = t.reason.as_str(), "circuit breaker transition");
+    telemetry::event_with(call.span, "breaker", || {
+        vec![
+            KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
+            KeyValue::new("tailwarden.breaker.from", t.from.as_str()),
+            KeyValue::new("tailwarden.breaker.to", t.to.as_str()),
+            KeyValue::new("tailwarden.breaker.reason", t.reason.as_str()),
+        ]
+    });
     let metrics = &call.app.metrics;
     metrics
         .breaker_transitions
@@ -869,15 +934,46 @@ async fn attempt(call: &Call<'_>, idx: usize, slot: usize, hedge: bool) -> Attem
     let started_at = Instant::now();
     // Counts toward the provider's load (P2C cost) until the first byte or failure.
     let in_flight = call.route.balancer.start(idx);
-    let result = attempt_inner(call, idx).await;
+    // A hedge that loses is cancelled by dropping this future; the guard marks its span.
+    let span = telemetry::AttemptGuard::new(attempt_span(call, idx, slot, hedge));
+    let result = attempt_inner(call, idx, span.span()).await;
     drop(in_flight);
+    if let Err(f) = &result {
+        let status = match f.kind {
+            FailureKind::Status(code) => Some(code),
+            _ => None,
+        };
+        telemetry::attempt_failed(span.span(), status, f.kind.as_str());
+    }
     AttemptResult {
         upstream: idx,
         slot,
         hedge,
         started_at,
         result,
+        span: span.finish(),
     }
+}
+
+/// The CLIENT span of an attempt (none when tracing is off).
+fn attempt_span(call: &Call<'_>, idx: usize, slot: usize, hedge: bool) -> Span {
+    if call.span.is_none() {
+        return Span::none();
+    }
+    let upstream = &call.route.upstreams[idx];
+    telemetry::attempt_span(
+        call.span,
+        &telemetry::AttemptInfo {
+            operation: telemetry::operation(call.suffix),
+            provider: &upstream.name,
+            provider_model: upstream.provider_model(call.model),
+            authority: &upstream.authority,
+            https: upstream.scheme == http::uri::Scheme::HTTPS,
+            route: &call.route.name,
+            attempt: u32::try_from(slot).map_or(u32::MAX, |s| s.saturating_add(1)),
+            hedge,
+        },
+    )
 }
 
 fn failure(kind: FailureKind, message: impl Into<String>) -> AttemptFailure {
@@ -889,7 +985,11 @@ fn failure(kind: FailureKind, message: impl Into<String>) -> AttemptFailure {
     }
 }
 
-async fn attempt_inner(call: &Call<'_>, idx: usize) -> Result<Started, AttemptFailure> {
+async fn attempt_inner(
+    call: &Call<'_>,
+    idx: usize,
+    span: &Span,
+) -> Result<Started, AttemptFailure> {
     let route = call.route;
     let settings = &route.settings;
     let upstream = &route.upstreams[idx];
@@ -954,6 +1054,8 @@ async fn attempt_inner(call: &Call<'_>, idx: usize) -> Result<Started, AttemptFa
     if let Some(value) = upstream.auth_value() {
         headers.insert(upstream.auth_header.clone(), (*value).clone());
     }
+    // Traced: the provider's parent is this attempt, not the client's span.
+    telemetry::inject(span, headers);
 
     let response =
         match tokio::time::timeout_at(first_byte_deadline, upstream.pool.client.request(req)).await

@@ -84,6 +84,7 @@ pub fn loaded(app: &App, path: &Path, hash: String) {
     });
     app.metrics.config_reloads.with_label_values(&["ok"]).inc();
     app.metrics.config_valid.set(1);
+    app.metrics.on_config(&app.table.load());
 }
 
 /// Polls `path` every `interval` and swaps in valid changes. Runs until dropped.
