@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
+.PHONY: all build test unit e2e operator-scale sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
 
 all: build
 
@@ -24,6 +24,11 @@ unit: tools sdk-deps
 e2e: tools sdk-deps
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  $(CARGO) test -p tailwarden-e2e --test journey -- --nocapture
+
+## operator-scale: 500 routes on a real control plane; prints create→ConfigMap latency and RSS.
+operator-scale: tools
+	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
+	  $(CARGO) test --release -p tailwarden-operator --test scale -- --ignored --nocapture
 
 ## tools: helm and the local Kubernetes control plane, built once from the Go module proxy.
 tools:

@@ -36,12 +36,27 @@ pub fn routes_hash(routes: &[tailwarden_crds::InferenceRoute]) -> String {
     format!("{:016x}", h.finish())
 }
 
+/// Reads the routes of a config file or directory. A single file with no routes is refused:
+/// it is far more often a file caught mid-write (or emptied by mistake) than a wish to serve
+/// nothing, and refusing keeps the last good config. A directory may be empty (the operator
+/// mounts one file per route, and a pod's routes can all be deleted).
+fn read_routes(path: &Path) -> Result<Vec<tailwarden_crds::InferenceRoute>, String> {
+    let routes = tailwarden_crds::load_file(path).map_err(|e| e.to_string())?;
+    if routes.is_empty() && !path.is_dir() {
+        return Err(format!(
+            "{}: holds no InferenceRoute documents",
+            path.display()
+        ));
+    }
+    Ok(routes)
+}
+
 /// Loads and compiles a config file or directory.
 pub fn load(
     pools: &crate::upstream::PoolCache,
     path: &Path,
 ) -> Result<(RouteTable, String), String> {
-    let routes = tailwarden_crds::load_file(path).map_err(|e| e.to_string())?;
+    let routes = read_routes(path)?;
     let hash = routes_hash(&routes);
     let table = RouteTable::compile(routes, pools).map_err(|e| e.to_string())?;
     Ok((table, hash))
@@ -89,22 +104,25 @@ pub fn loaded(app: &App, path: &Path, hash: String) {
 
 /// Polls `path` every `interval` and swaps in valid changes. Runs until dropped.
 pub async fn watch(app: Arc<App>, path: PathBuf, interval: Duration) {
-    let mut last_stamp = stamp(&path);
+    // No stamp yet: the first tick reads the file and compares the routes with what the
+    // initial load hashed, so a change made between that load and this task's start is not
+    // missed (the task may first run well after it was spawned).
+    let mut last_stamp: Option<u64> = None;
     let mut last_hash = app.config_status().hash;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
         app.table.load().refresh_keys();
-        let current = stamp(&path);
+        let current = Some(stamp(&path));
         if current == last_stamp {
             continue;
         }
         last_stamp = current;
-        let routes = match tailwarden_crds::load_file(&path) {
+        let routes = match read_routes(&path) {
             Ok(routes) => routes,
             Err(e) => {
-                reject(&app, e.to_string());
+                reject(&app, e);
                 continue;
             }
         };

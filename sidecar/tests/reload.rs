@@ -137,6 +137,17 @@ async fn invalid_config_keeps_the_last_good_one_and_says_why() {
         "{metrics}"
     );
 
+    // An emptied file (an editor caught mid-write) is refused too.
+    std::fs::write(&sc.config, "").unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || app
+            .config_status()
+            .last_error
+            .is_some_and(|e| e.ends_with("holds no InferenceRoute documents")))
+        .await
+    );
+    assert_eq!(chat(&sc, false).await.status, 200);
+
     // Deleting the file is also survived.
     std::fs::remove_file(&sc.config).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
