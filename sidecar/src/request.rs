@@ -133,13 +133,25 @@ impl<'a> RequestBody<'a> {
             .map(|(_, v)| *v)
     }
 
+    /// The top-level members in order, as their names and raw JSON.
+    pub fn members(&self) -> impl Iterator<Item = (&str, &'a RawValue)> + '_ {
+        self.members.iter().map(|(k, v)| (k.as_ref(), *v))
+    }
+
     /// The body to send upstream: `None` means the original bytes can be sent unchanged.
     /// `model` replaces the model when it differs; `add_usage` asks for the stream usage
     /// chunk when the client did not.
     pub fn rewrite(&self, model: &str, add_usage: bool) -> Option<Vec<u8>> {
+        self.rewrite_dropping(model, add_usage, &[])
+    }
+
+    /// [`rewrite`](Self::rewrite) that also leaves out the named top-level members (the
+    /// parameters a provider does not support, see `capabilities`).
+    pub fn rewrite_dropping(&self, model: &str, add_usage: bool, drop: &[&str]) -> Option<Vec<u8>> {
         let change_model = model != self.model;
         let change_usage = add_usage && self.stream && !self.client_wants_usage;
-        if !change_model && !change_usage {
+        let dropping = self.members.iter().any(|(k, _)| drop.contains(&k.as_ref()));
+        if !change_model && !change_usage && !dropping {
             return None;
         }
         let size: usize = self
@@ -163,6 +175,9 @@ impl<'a> RequestBody<'a> {
             out.extend_from_slice(raw.as_bytes());
         };
         for (key, raw) in &self.members {
+            if drop.contains(&key.as_ref()) {
+                continue;
+            }
             match key.as_ref() {
                 "model" if change_model => {
                     let encoded = serde_json::to_string(model).unwrap_or_default();
@@ -282,6 +297,22 @@ mod tests {
             std::str::from_utf8(&out).unwrap(),
             r#"{"messages":[{"role":"user","content":"x  y"}],"model":"b","temperature":0.70,"stream":true,"stream_options":{"include_usage":true}}"#
         );
+    }
+
+    #[test]
+    fn rewrite_drops_named_members_only() {
+        let body = br#"{"model":"a","tools":[{"type":"function"}],"temperature":0,"response_format":{"type":"json_object"}}"#;
+        let r = RequestBody::parse(body).unwrap();
+        assert!(r.rewrite_dropping("a", false, &["logprobs"]).is_none());
+        let out = r
+            .rewrite_dropping("a", false, &["tools", "response_format"])
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"model":"a","temperature":0}"#
+        );
+        let names: Vec<&str> = r.members().map(|(k, _)| k).collect();
+        assert_eq!(names, ["model", "tools", "temperature", "response_format"]);
     }
 
     #[test]

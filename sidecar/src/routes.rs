@@ -18,8 +18,10 @@ use crate::{
     accounting::Price,
     balance::{BalanceSettings, Balancer, EndpointSpec},
     breaker::{BreakerSettings, CircuitBreaker},
+    capabilities::CapabilityMap,
     hedge::{HedgeMode, QuantileSettings, TtftQuantiles, hedge_budget},
     retry::{BudgetSettings, RetryBudget, RetryClasses},
+    tiers::{TierError, TierSet},
     upstream::{Pool, PoolCache},
 };
 
@@ -52,6 +54,8 @@ pub struct Upstream {
     pub pool: Pool,
     pub breaker: Mutex<CircuitBreaker>,
     pub ttft: TtftQuantiles,
+    /// Parameters this provider does not support (`capabilities`), decided per attempt.
+    pub capabilities: CapabilityMap,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -161,6 +165,8 @@ pub struct Route {
     pub retry_budget: RetryBudget,
     pub hedge_budget: RetryBudget,
     pub tiers: Vec<Tier>,
+    /// The tiers compiled (regexes, keywords, header names): see [`TierSet::choose_for`].
+    pub tier_set: TierSet,
 }
 
 impl std::fmt::Debug for Route {
@@ -198,6 +204,12 @@ pub enum CompileError {
         route: String,
         provider: String,
         header: String,
+    },
+    #[error("route {route}: {source}")]
+    Tier {
+        route: String,
+        #[source]
+        source: TierError,
     },
 }
 
@@ -295,6 +307,10 @@ fn compile_route(
         });
         upstreams.push(Arc::new(upstream));
     }
+    let tier_set = TierSet::compile(&spec.tiers).map_err(|source| CompileError::Tier {
+        route: name.to_string(),
+        source,
+    })?;
     let slo_latency = spec
         .slo
         .as_ref()
@@ -322,6 +338,7 @@ fn compile_route(
             std::time::Instant::now(),
         ),
         tiers: spec.tiers.clone(),
+        tier_set,
         name,
         spec: spec.clone(),
         settings,
@@ -441,6 +458,7 @@ fn compile_upstream(
             std::time::Instant::now(),
         )),
         ttft: TtftQuantiles::new(QuantileSettings::default(), std::time::Instant::now()),
+        capabilities: CapabilityMap::new(&provider.capabilities),
     };
     if let KeySource::File(path) = &key_source
         && path.is_empty()
@@ -457,20 +475,13 @@ fn compile_upstream(
     Ok(upstream)
 }
 
-/// The first tier whose conditions all hold, if any.
+/// The first tier whose length, message-count and keyword conditions all hold, if any.
+///
+/// Kept for callers that only have [`PromptStats`](crate::request::PromptStats); tiers with
+/// `regex` or `headers` conditions need [`Route::tier_set`] ([`TierSet::choose_for`]), which
+/// has the compiled regexes and the request headers, and never match here.
 pub fn choose_tier<'a>(tiers: &'a [Tier], stats: &crate::request::PromptStats) -> Option<&'a Tier> {
-    tiers.iter().find(|tier| {
-        let w = &tier.when;
-        w.max_prompt_chars.is_none_or(|max| stats.chars <= max)
-            && w.min_prompt_chars.is_none_or(|min| stats.chars >= min)
-            && w.max_messages.is_none_or(|max| stats.messages <= max)
-            && (w.any_of_keywords.is_empty()
-                || w.any_of_keywords
-                    .iter()
-                    .any(|k| stats.text_lower.contains(&k.to_lowercase())))
-            && !w
-                .none_of_keywords
-                .iter()
-                .any(|k| stats.text_lower.contains(&k.to_lowercase()))
-    })
+    tiers
+        .iter()
+        .find(|tier| crate::tiers::matches_stats(&tier.when, stats))
 }
