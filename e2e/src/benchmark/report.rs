@@ -583,6 +583,23 @@ pub fn targets_summary(res: &BenchmarkResult) -> Vec<String> {
                         (1.0 - f / 9.0) * 100.0
                     )
                 });
+                let ttft = |r: &Report| r.ttft_ms.as_ref().map(|p| p.p99);
+                if let (Some(td), Some(ts)) = (ttft(&a.report), ttft(&b.report))
+                    && ts > 0.0
+                {
+                    parts.push(format!("TTFT P99 {:.1}× lower", td / ts));
+                }
+                // When even the median stream is longer than direct P99 / 9, no proxy can
+                // reach the goal on total latency: say so instead of leaving a bare miss.
+                if let Some(median) = p50(&b.report)
+                    && f < 9.0
+                    && d / 9.0 < median
+                {
+                    parts.push(format!(
+                        "unreachable on total latency with this profile: direct P99 / 9 = {:.0} ms is below the median stream's {median:.0} ms",
+                        d / 9.0
+                    ));
+                }
             }
             _ => {
                 met = false;
