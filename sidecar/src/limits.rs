@@ -1,0 +1,871 @@
+//! Admission control: requests per second, tokens per minute and concurrency, per route and
+//! per tenant, enforced before a request goes upstream.
+//!
+//! [`admit`] runs the checks in a fixed order — tenant then route, requests per second,
+//! then tokens per minute, then a concurrency slot — and undoes what it took when a later
+//! check fails, so a rejected request costs nothing. The [`AdmissionGuard`] it returns holds
+//! the concurrency slots and the token reservation until the response ends:
+//! [`AdmissionGuard::settle`] corrects the reservation with the real usage (streams
+//! included); a guard dropped without settlement keeps the estimate charged.
+//!
+//! - Rates are GCRA token buckets ([`bucket`]) with a burst of one period's worth, O(1) and
+//!   lock-free; with `backend: redis` they are shared by all replicas through leases
+//!   ([`shared`]).
+//! - Concurrency is a FIFO semaphore with a bounded wait queue (`maxQueued`) and a wait
+//!   limit (`queueTimeout`); it is per sidecar, because it protects this pod's queue.
+//! - Tenants (values of `tenantHeader`) get their own limits (`perTenant`). At most
+//!   [`MAX_TENANTS`] are tracked; the least recently used idle tenant is forgotten first —
+//!   never one with requests in flight or a bucket that has not refilled, so forgetting a
+//!   tenant never changes a decision.
+//!
+//! A rejection says which limit was hit, for whom, and when to come back (`Retry-After`,
+//! from the bucket). Over a rate: 429, the client is over its rate. Queue full or queue
+//! timeout of the route: 503, the sidecar is overloaded (a tenant's own concurrency limit is
+//! a 429). Shared backend down with `failMode: closed`: 503.
+
+pub mod bucket;
+pub mod shared;
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use http::{HeaderMap, StatusCode};
+use quick_cache::{DefaultHashBuilder, Lifecycle, UnitWeighter, sync::Cache};
+use tailwarden_crds::{Backend, FailMode, RateLimit};
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    time::Instant,
+};
+
+use crate::{
+    error::ApiError,
+    redis_backend::{BackendError, BackendSettings, RedisBackend},
+    request::RequestBody,
+};
+use bucket::Bucket;
+use shared::{SharedBucket, Source, TakeError};
+
+/// Most tenants tracked per route.
+pub const MAX_TENANTS: usize = 10_000;
+/// Longest tenant value kept (longer values are cut at a character boundary): bounds the
+/// table's memory at about `MAX_TENANTS` × this.
+pub const MAX_TENANT_BYTES: usize = 256;
+/// Output tokens assumed for a request that does not set `max_tokens`.
+pub const DEFAULT_OUTPUT_ESTIMATE: u64 = 1000;
+
+/// Which limit a request hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LimitKind {
+    RequestsPerSecond,
+    TokensPerMinute,
+    Concurrency,
+    /// The shared backend is down and the route fails closed.
+    Backend,
+}
+
+impl LimitKind {
+    /// For messages: `requests per second`, `tokens per minute`, `concurrency`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitKind::RequestsPerSecond => "requests per second",
+            LimitKind::TokensPerMinute => "tokens per minute",
+            LimitKind::Concurrency => "concurrency",
+            LimitKind::Backend => "shared limit backend",
+        }
+    }
+
+    /// For metric labels and the `x-tailwarden-limit` header.
+    pub fn label(self) -> &'static str {
+        match self {
+            LimitKind::RequestsPerSecond => "requests_per_second",
+            LimitKind::TokensPerMinute => "tokens_per_minute",
+            LimitKind::Concurrency => "concurrency",
+            LimitKind::Backend => "backend",
+        }
+    }
+}
+
+/// Whose limit: the route's or one tenant's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    Route(Arc<str>),
+    Tenant { route: Arc<str>, tenant: Arc<str> },
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scope::Route(route) => write!(f, "route {route}"),
+            Scope::Tenant { route, tenant } if tenant.is_empty() => {
+                write!(f, "requests without a tenant header on route {route}")
+            }
+            Scope::Tenant { route, tenant } => write!(f, "tenant {tenant:?} of route {route}"),
+        }
+    }
+}
+
+/// Seconds for `Retry-After`: rounded up, at least 1.
+pub fn retry_after_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0).max(u64::from(d.is_zero()))
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error(
+        "Rate limit reached for {scope}: {} (limit {limit}; this request needs {requested}). Retry after {} s.",
+        kind.as_str(), retry_after_secs(*retry_after)
+    )]
+    Rate {
+        scope: Scope,
+        kind: LimitKind,
+        limit: u64,
+        requested: u64,
+        retry_after: Duration,
+    },
+    #[error(
+        "Too many requests in flight for {scope}: concurrency (limit {limit}, and {queued} already waiting). Retry after {} s.",
+        retry_after_secs(*retry_after)
+    )]
+    QueueFull {
+        scope: Scope,
+        limit: u32,
+        queued: usize,
+        retry_after: Duration,
+    },
+    #[error(
+        "Too many requests in flight for {scope}: concurrency (limit {limit}); no slot freed within the queue timeout of {} ms. Retry after {} s.",
+        timeout.as_millis(), retry_after_secs(*retry_after)
+    )]
+    QueueTimeout {
+        scope: Scope,
+        limit: u32,
+        timeout: Duration,
+        retry_after: Duration,
+    },
+    #[error(
+        "The shared rate-limit backend is unavailable and {scope} fails closed (rateLimit.redis.failMode: closed). Retry after {} s.",
+        retry_after_secs(*retry_after)
+    )]
+    BackendDown { scope: Scope, retry_after: Duration },
+}
+
+impl Rejection {
+    pub fn limit(&self) -> LimitKind {
+        match self {
+            Rejection::Rate { kind, .. } => *kind,
+            Rejection::QueueFull { .. } | Rejection::QueueTimeout { .. } => LimitKind::Concurrency,
+            Rejection::BackendDown { .. } => LimitKind::Backend,
+        }
+    }
+
+    pub fn scope(&self) -> &Scope {
+        match self {
+            Rejection::Rate { scope, .. }
+            | Rejection::QueueFull { scope, .. }
+            | Rejection::QueueTimeout { scope, .. }
+            | Rejection::BackendDown { scope, .. } => scope,
+        }
+    }
+
+    pub fn retry_after(&self) -> Duration {
+        match self {
+            Rejection::Rate { retry_after, .. }
+            | Rejection::QueueFull { retry_after, .. }
+            | Rejection::QueueTimeout { retry_after, .. }
+            | Rejection::BackendDown { retry_after, .. } => *retry_after,
+        }
+    }
+
+    /// 429 when the client is over its rate (or its tenant's concurrency), 503 when the
+    /// route is overloaded or its shared backend is down and it fails closed.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::Rate { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Rejection::QueueFull { scope, .. } | Rejection::QueueTimeout { scope, .. } => {
+                match scope {
+                    Scope::Tenant { .. } => StatusCode::TOO_MANY_REQUESTS,
+                    Scope::Route(_) => StatusCode::SERVICE_UNAVAILABLE,
+                }
+            }
+            Rejection::BackendDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The OpenAI-shaped error response, with `Retry-After`.
+    pub fn to_api_error(&self) -> ApiError {
+        let status = self.status();
+        let overloaded = status == StatusCode::SERVICE_UNAVAILABLE;
+        ApiError {
+            status,
+            message: self.to_string(),
+            kind: if overloaded {
+                "server_error"
+            } else {
+                "rate_limit_error"
+            },
+            code: Some(if overloaded {
+                "overloaded"
+            } else {
+                "rate_limit_exceeded"
+            }),
+            param: None,
+            retry_after: Some(retry_after_secs(self.retry_after())),
+        }
+    }
+}
+
+/// Why a route's limits cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitConfigError {
+    #[error("route {route}: spec.rateLimit.redis: {source}")]
+    Backend {
+        route: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("route {route}: spec.rateLimit: backend redis needs a redis section")]
+    MissingRedis { route: String },
+}
+
+/// A token rate: local bucket or shared through Redis.
+#[derive(Debug)]
+enum Rate {
+    Local(Bucket),
+    Shared(Arc<SharedBucket>),
+}
+
+impl Rate {
+    fn amount(&self) -> u64 {
+        match self {
+            Rate::Local(b) => b.amount(),
+            Rate::Shared(s) => s.amount(),
+        }
+    }
+
+    async fn take(&self, n: u64, now: Instant) -> Result<Source, TakeError> {
+        match self {
+            Rate::Local(b) => b
+                .try_take(n, now)
+                .map(|()| Source::Fallback)
+                .map_err(TakeError::Empty),
+            Rate::Shared(s) => s.take(n, now).await,
+        }
+    }
+
+    fn give_back(&self, n: u64, source: Source) {
+        match self {
+            Rate::Local(b) => b.give_back(n),
+            Rate::Shared(s) => s.give_back(n, source),
+        }
+    }
+
+    fn charge(&self, n: u64, source: Source, now: Instant) {
+        match self {
+            Rate::Local(b) => b.charge(n, now),
+            Rate::Shared(s) => s.charge(n, source, now),
+        }
+    }
+
+    fn is_idle(&self, now: Instant) -> bool {
+        match self {
+            Rate::Local(b) => b.is_full(now),
+            // A shared bucket's state is in Redis; its lease is kept by pinning while in use.
+            Rate::Shared(s) => s.leased() <= 0,
+        }
+    }
+}
+
+/// A concurrency limit with a bounded FIFO queue.
+#[derive(Debug)]
+struct Concurrency {
+    limit: u32,
+    slots: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    max_queued: usize,
+}
+
+/// Counts a waiter for as long as it waits, including when its future is dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Concurrency {
+    fn new(limit: u32, max_queued: usize) -> Self {
+        Self {
+            limit,
+            slots: Arc::new(Semaphore::new(limit as usize)),
+            waiting: AtomicUsize::new(0),
+            max_queued,
+        }
+    }
+
+    async fn acquire(
+        &self,
+        scope: impl Fn() -> Scope,
+        timeout: Duration,
+    ) -> Result<OwnedSemaphorePermit, Rejection> {
+        // Tokio's semaphore is fair: a free permit exists only when nobody is queued, so
+        // this fast path cannot jump the queue.
+        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
+            return Ok(permit);
+        }
+        let queued = self.waiting.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&self.waiting);
+        let retry_after = timeout.max(Duration::from_secs(1));
+        if queued >= self.max_queued {
+            return Err(Rejection::QueueFull {
+                scope: scope(),
+                limit: self.limit,
+                queued,
+                retry_after,
+            });
+        }
+        match tokio::time::timeout(timeout, self.slots.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            // The semaphore is never closed; treat it like a timeout all the same.
+            Ok(Err(_)) | Err(_) => Err(Rejection::QueueTimeout {
+                scope: scope(),
+                limit: self.limit,
+                timeout,
+                retry_after,
+            }),
+        }
+    }
+
+    fn in_use(&self) -> usize {
+        (self.limit as usize).saturating_sub(self.slots.available_permits())
+    }
+}
+
+/// The limits of one scope (the route, or one tenant).
+#[derive(Debug, Default)]
+struct LimitSet {
+    requests: Option<Rate>,
+    tokens: Option<Rate>,
+    concurrency: Option<Concurrency>,
+}
+
+impl LimitSet {
+    fn is_idle(&self, now: Instant) -> bool {
+        self.requests.as_ref().is_none_or(|r| r.is_idle(now))
+            && self.tokens.as_ref().is_none_or(|r| r.is_idle(now))
+            && self
+                .concurrency
+                .as_ref()
+                .is_none_or(|c| c.in_use() == 0 && c.waiting.load(Ordering::Acquire) == 0)
+    }
+}
+
+/// Numbers of one scope, from the API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Numbers {
+    rps: Option<u32>,
+    tpm: Option<u64>,
+    concurrent: Option<u32>,
+}
+
+/// Keeps tenants that are in use or not yet refilled out of eviction.
+#[derive(Debug, Clone, Copy, Default)]
+struct PinBusy;
+
+impl Lifecycle<String, Arc<LimitSet>> for PinBusy {
+    type RequestState = ();
+
+    fn is_pinned(&self, _key: &String, val: &Arc<LimitSet>) -> bool {
+        // Guards hold clones: more than the table's own reference means requests in flight.
+        Arc::strong_count(val) > 1 || !val.is_idle(Instant::now())
+    }
+}
+
+type TenantTable = Cache<String, Arc<LimitSet>, UnitWeighter, DefaultHashBuilder, PinBusy>;
+
+/// How to build a route's limiter (everything besides the API's numbers).
+#[derive(Debug, Clone, Default)]
+pub struct LimiterOptions {
+    /// The shared backend, required for `backend: redis`.
+    pub backend: Option<Arc<RedisBackend>>,
+    /// Most tenants tracked (default [`MAX_TENANTS`]).
+    pub max_tenants: Option<usize>,
+}
+
+/// The limits of one route.
+pub struct RouteLimiter {
+    route: Arc<str>,
+    tenant_header: Option<http::HeaderName>,
+    queue_timeout: Duration,
+    max_queued: Option<usize>,
+    route_limits: LimitSet,
+    tenant_numbers: Option<Numbers>,
+    tenants: Option<TenantTable>,
+    backend: Option<(Arc<RedisBackend>, FailMode)>,
+}
+
+impl fmt::Debug for RouteLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RouteLimiter({})", self.route)
+    }
+}
+
+impl RouteLimiter {
+    /// Builds the limiter of route `route` from its `spec.rateLimit`.
+    pub fn new(
+        route: &str,
+        spec: &RateLimit,
+        options: LimiterOptions,
+    ) -> Result<Self, LimitConfigError> {
+        let backend = match spec.backend {
+            Backend::Local => None,
+            Backend::Redis => {
+                let redis = spec
+                    .redis
+                    .as_ref()
+                    .ok_or_else(|| LimitConfigError::MissingRedis {
+                        route: route.to_owned(),
+                    })?;
+                let backend = match options.backend {
+                    Some(b) => b,
+                    None => Arc::new(
+                        RedisBackend::new(&redis.address, BackendSettings::default(), None)
+                            .map_err(|source| LimitConfigError::Backend {
+                                route: route.to_owned(),
+                                source,
+                            })?,
+                    ),
+                };
+                Some((backend, redis.fail_mode))
+            }
+        };
+        let route: Arc<str> = route.into();
+        let mut limiter = Self {
+            tenant_header: spec
+                .tenant_header
+                .as_deref()
+                .and_then(|h| http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()),
+            queue_timeout: spec.queue_timeout.get(),
+            max_queued: spec.max_queued.map(|q| q as usize),
+            route_limits: LimitSet::default(),
+            tenant_numbers: spec.per_tenant.as_ref().map(|t| Numbers {
+                rps: t.requests_per_second,
+                tpm: t.tokens_per_minute,
+                concurrent: t.max_concurrent,
+            }),
+            tenants: None,
+            backend,
+            route: route.clone(),
+        };
+        limiter.route_limits = limiter.build_set(
+            &format!("tailwarden:rl:{route}"),
+            Numbers {
+                rps: spec.requests_per_second,
+                tpm: spec.tokens_per_minute,
+                concurrent: spec.max_concurrent,
+            },
+        );
+        if limiter.tenant_numbers.is_some() && limiter.tenant_header.is_some() {
+            let capacity = options.max_tenants.unwrap_or(MAX_TENANTS).max(1);
+            limiter.tenants = Some(Cache::with(
+                capacity,
+                capacity as u64,
+                UnitWeighter,
+                DefaultHashBuilder::default(),
+                PinBusy,
+            ));
+        }
+        Ok(limiter)
+    }
+
+    fn build_set(&self, key: &str, n: Numbers) -> LimitSet {
+        let now = Instant::now();
+        let rate = |suffix: &str, amount: u64, period: Duration| match &self.backend {
+            None => Rate::Local(Bucket::new(amount, period, now)),
+            Some((backend, fail_mode)) => Rate::Shared(Arc::new(SharedBucket::new(
+                backend.clone(),
+                format!("{key}:{suffix}"),
+                amount,
+                period,
+                *fail_mode,
+                now,
+            ))),
+        };
+        LimitSet {
+            requests: n
+                .rps
+                .map(|r| rate("rps", u64::from(r), Duration::from_secs(1))),
+            tokens: n.tpm.map(|t| rate("tpm", t, Duration::from_secs(60))),
+            concurrency: n
+                .concurrent
+                .map(|c| Concurrency::new(c, self.max_queued.unwrap_or(c as usize))),
+        }
+    }
+
+    pub fn route(&self) -> &Arc<str> {
+        &self.route
+    }
+
+    /// The tenant of a request: the `tenantHeader` value (cut to [`MAX_TENANT_BYTES`]), `""`
+    /// without it, or `None` when the route has no per-tenant limits.
+    pub fn tenant_of(&self, headers: &HeaderMap) -> Option<String> {
+        let name = self.tenant_header.as_ref()?;
+        self.tenants.as_ref()?;
+        let value = headers
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default();
+        Some(truncate(value, MAX_TENANT_BYTES))
+    }
+
+    /// Tenants currently tracked.
+    pub fn tenants_tracked(&self) -> usize {
+        self.tenants.as_ref().map_or(0, Cache::len)
+    }
+
+    /// Failures of the shared backend, if the route uses one.
+    pub fn backend_errors(&self) -> u64 {
+        self.backend.as_ref().map_or(0, |(b, _)| b.backend_errors())
+    }
+
+    fn tenant_set(&self, tenant: &str) -> Option<Arc<LimitSet>> {
+        let table = self.tenants.as_ref()?;
+        let numbers = self.tenant_numbers?;
+        let found: Result<Arc<LimitSet>, std::convert::Infallible> =
+            table.get_or_insert_with(tenant, || {
+                Ok(Arc::new(self.build_set(
+                    &format!("tailwarden:rl:{}:t:{tenant}", self.route),
+                    numbers,
+                )))
+            });
+        found.ok()
+    }
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+    s
+}
+
+/// Tokens a request is expected to use: its prompt (the bytes of `messages`, `prompt`,
+/// `input` and `tools` / 4 — JSON syntax makes this a slight overestimate, and no message
+/// parsing is needed) plus `max_completion_tokens` or `max_tokens` (else
+/// [`DEFAULT_OUTPUT_ESTIMATE`]) times `n`.
+pub fn estimate_tokens(body: &RequestBody<'_>) -> u64 {
+    let prompt_bytes: usize = ["messages", "prompt", "input", "tools"]
+        .iter()
+        .filter_map(|m| body.member(m))
+        .map(|raw| raw.get().len())
+        .sum();
+    let number = |name: &str| {
+        body.member(name)
+            .and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok())
+    };
+    let output = number("max_completion_tokens")
+        .or_else(|| number("max_tokens"))
+        .unwrap_or(DEFAULT_OUTPUT_ESTIMATE);
+    let choices = number("n").unwrap_or(1).clamp(1, 128);
+    (prompt_bytes as u64 / 4).saturating_add(output.saturating_mul(choices))
+}
+
+/// What an admitted request holds until its response ends.
+pub struct AdmissionGuard {
+    limiter: Arc<RouteLimiter>,
+    tenant: Option<Arc<LimitSet>>,
+    /// Tokens reserved and where they came from (route, tenant).
+    reserved: u64,
+    route_source: Option<Source>,
+    tenant_source: Option<Source>,
+    _permits: [Option<OwnedSemaphorePermit>; 2],
+    waited: Duration,
+}
+
+impl fmt::Debug for AdmissionGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdmissionGuard")
+            .field("route", &self.limiter.route)
+            .field("reserved", &self.reserved)
+            .field("waited", &self.waited)
+            .finish()
+    }
+}
+
+impl AdmissionGuard {
+    /// Tokens reserved at admission (the estimate).
+    pub fn reserved_tokens(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Time spent waiting in the concurrency queue.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// Corrects the token reservation with the real usage (input + output tokens) and
+    /// releases the request's slots. A request that failed before any provider charged it
+    /// settles with 0.
+    pub fn settle(self, used_tokens: u64) {
+        let now = Instant::now();
+        let adjust = |rate: &Rate, source: Source| {
+            if used_tokens < self.reserved {
+                rate.give_back(self.reserved - used_tokens, source);
+            } else if used_tokens > self.reserved {
+                rate.charge(used_tokens - self.reserved, source, now);
+            }
+        };
+        if let (Some(rate), Some(source)) = (&self.limiter.route_limits.tokens, self.route_source) {
+            adjust(rate, source);
+        }
+        if let (Some(set), Some(source)) = (&self.tenant, self.tenant_source)
+            && let Some(rate) = &set.tokens
+        {
+            adjust(rate, source);
+        }
+        // Dropping `self` releases the concurrency slots.
+    }
+}
+
+/// What was taken so far, given back if a later check fails.
+#[derive(Default)]
+struct Taken<'a> {
+    requests: Vec<(&'a Rate, Source)>,
+    tokens: Vec<(&'a Rate, Source, u64)>,
+}
+
+impl Taken<'_> {
+    fn undo(&self) {
+        for (rate, source) in &self.requests {
+            rate.give_back(1, *source);
+        }
+        for (rate, source, n) in &self.tokens {
+            rate.give_back(*n, *source);
+        }
+    }
+}
+
+fn rate_rejection(scope: Scope, kind: LimitKind, rate: &Rate, n: u64, e: TakeError) -> Rejection {
+    match e {
+        TakeError::Empty(retry_after) => Rejection::Rate {
+            scope,
+            kind,
+            limit: rate.amount(),
+            requested: n,
+            retry_after,
+        },
+        TakeError::BackendDown => Rejection::BackendDown {
+            scope,
+            retry_after: Duration::from_secs(1),
+        },
+    }
+}
+
+/// Admits a request of `tenant` (from [`RouteLimiter::tenant_of`]) expected to use
+/// `estimate` tokens ([`estimate_tokens`]), or says which limit it hit. May wait up to
+/// `queueTimeout` for a concurrency slot; everything else is immediate unless a shared
+/// lease must be refilled from Redis.
+pub async fn admit(
+    limiter: &Arc<RouteLimiter>,
+    tenant: Option<&str>,
+    estimate: u64,
+) -> Result<AdmissionGuard, Rejection> {
+    let now = Instant::now();
+    let tenant_set = tenant.and_then(|t| limiter.tenant_set(t));
+    let tenant_name: Arc<str> = tenant.unwrap_or("").into();
+    let route_scope = || Scope::Route(limiter.route.clone());
+    let tenant_scope = || Scope::Tenant {
+        route: limiter.route.clone(),
+        tenant: tenant_name.clone(),
+    };
+    let route_set = &limiter.route_limits;
+    let mut taken = Taken::default();
+
+    // Requests per second, then tokens per minute: tenant first (a tenant over its own
+    // rate must not use up route capacity), then the route.
+    let scopes: [(Option<&LimitSet>, bool); 2] =
+        [(tenant_set.as_deref(), true), (Some(route_set), false)];
+    let mut sources: [Option<Source>; 2] = [None, None];
+    for (set, is_tenant) in scopes {
+        let Some(rate) = set.and_then(|s| s.requests.as_ref()) else {
+            continue;
+        };
+        match rate.take(1, now).await {
+            Ok(source) => taken.requests.push((rate, source)),
+            Err(e) => {
+                taken.undo();
+                let scope = if is_tenant {
+                    tenant_scope()
+                } else {
+                    route_scope()
+                };
+                return Err(rate_rejection(
+                    scope,
+                    LimitKind::RequestsPerSecond,
+                    rate,
+                    1,
+                    e,
+                ));
+            }
+        }
+    }
+    for (set, is_tenant) in scopes {
+        let Some(rate) = set.and_then(|s| s.tokens.as_ref()) else {
+            continue;
+        };
+        match rate.take(estimate, now).await {
+            Ok(source) => {
+                taken.tokens.push((rate, source, estimate));
+                sources[usize::from(!is_tenant)] = Some(source);
+            }
+            Err(e) => {
+                taken.undo();
+                let scope = if is_tenant {
+                    tenant_scope()
+                } else {
+                    route_scope()
+                };
+                return Err(rate_rejection(
+                    scope,
+                    LimitKind::TokensPerMinute,
+                    rate,
+                    estimate,
+                    e,
+                ));
+            }
+        }
+    }
+
+    // Concurrency: the tenant's slot first, so a tenant at its own limit waits in its own
+    // queue instead of holding one of the route's slots.
+    let started = Instant::now();
+    let mut permits: [Option<OwnedSemaphorePermit>; 2] = [None, None];
+    for (i, (set, is_tenant)) in scopes.into_iter().enumerate() {
+        let Some(conc) = set.and_then(|s| s.concurrency.as_ref()) else {
+            continue;
+        };
+        let remaining = limiter.queue_timeout.saturating_sub(started.elapsed());
+        let acquired = if is_tenant {
+            conc.acquire(tenant_scope, remaining).await
+        } else {
+            conc.acquire(route_scope, remaining).await
+        };
+        match acquired {
+            Ok(p) => permits[i] = Some(p),
+            Err(rejection) => {
+                taken.undo();
+                return Err(rejection);
+            }
+        }
+    }
+    let waited = started.elapsed();
+    drop(taken);
+    Ok(AdmissionGuard {
+        limiter: limiter.clone(),
+        tenant: tenant_set,
+        reserved: estimate,
+        tenant_source: sources[0],
+        route_source: sources[1],
+        _permits: permits,
+        waited,
+    })
+}
+
+/// Route limiters kept across config reloads: a route whose `rateLimit` did not change keeps
+/// its buckets, queues and tenants (a reload must not hand everyone a fresh burst), and Redis
+/// connections are shared by address.
+#[derive(Default)]
+pub struct Limiters {
+    routes: Mutex<HashMap<String, (RateLimit, Arc<RouteLimiter>)>>,
+    backends: Mutex<HashMap<String, Arc<RedisBackend>>>,
+    errors_counter: Option<prometheus::IntCounter>,
+}
+
+impl fmt::Debug for Limiters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Limiters")
+    }
+}
+
+impl Limiters {
+    /// `errors_counter` counts shared-backend failures (all backends).
+    pub fn new(errors_counter: Option<prometheus::IntCounter>) -> Self {
+        Self {
+            errors_counter,
+            ..Self::default()
+        }
+    }
+
+    /// The limiter of a route, reused when its spec is unchanged; `None` without limits.
+    pub fn for_route(
+        &self,
+        route: &str,
+        spec: Option<&RateLimit>,
+    ) -> Result<Option<Arc<RouteLimiter>>, LimitConfigError> {
+        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(spec) = spec else {
+            routes.remove(route);
+            return Ok(None);
+        };
+        if let Some((old, limiter)) = routes.get(route)
+            && old == spec
+        {
+            return Ok(Some(limiter.clone()));
+        }
+        let backend = match (&spec.backend, &spec.redis) {
+            (Backend::Redis, Some(redis)) => {
+                let mut backends = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+                let backend = match backends.get(&redis.address) {
+                    Some(b) => b.clone(),
+                    None => {
+                        let b = Arc::new(
+                            RedisBackend::new(
+                                &redis.address,
+                                BackendSettings::default(),
+                                self.errors_counter.clone(),
+                            )
+                            .map_err(|source| {
+                                LimitConfigError::Backend {
+                                    route: route.to_owned(),
+                                    source,
+                                }
+                            })?,
+                        );
+                        backends.insert(redis.address.clone(), b.clone());
+                        b
+                    }
+                };
+                Some(backend)
+            }
+            _ => None,
+        };
+        let limiter = Arc::new(RouteLimiter::new(
+            route,
+            spec,
+            LimiterOptions {
+                backend,
+                max_tenants: None,
+            },
+        )?);
+        routes.insert(route.to_owned(), (spec.clone(), limiter.clone()));
+        Ok(Some(limiter))
+    }
+
+    /// Forgets routes no longer in the config.
+    pub fn retain(&self, routes: &[&str]) {
+        let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|name, _| routes.contains(&name.as_str()));
+    }
+}
