@@ -60,6 +60,10 @@ struct Lease {
     /// Redis said the bucket is empty until then: reject locally without asking again.
     empty_until: Option<Instant>,
     refilling: bool,
+    /// Tokens left in Redis after our last call. Background refills run only while the
+    /// shared bucket has plenty: near saturation they would fetch crumbs, one round trip
+    /// each, and requests take exactly what they need instead.
+    last_remaining: u64,
 }
 
 /// A bucket in Redis with a local lease.
@@ -71,6 +75,9 @@ pub struct SharedBucket {
     lease_target: u64,
     fallback: Bucket,
     lease: Mutex<Lease>,
+    /// One synchronous refill at a time per replica: requests that find the lease empty
+    /// queue behind it and re-check the lease, instead of each sending its own call.
+    refill: tokio::sync::Mutex<()>,
 }
 
 impl SharedBucket {
@@ -96,7 +103,9 @@ impl SharedBucket {
                 pool: 0,
                 empty_until: None,
                 refilling: false,
+                last_remaining: u64::MAX,
             }),
+            refill: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -115,36 +124,49 @@ impl SharedBucket {
 
     /// Takes `n` tokens: from the lease when it has them (no I/O), else from Redis.
     pub async fn take(self: &Arc<Self>, n: u64, now: Instant) -> Result<Source, TakeError> {
-        let need = {
-            let mut lease = self.lock();
-            let n_signed = i64::try_from(n).unwrap_or(i64::MAX);
-            if lease.pool >= n_signed {
-                lease.pool -= n_signed;
-                self.maybe_refill(&mut lease);
-                return Ok(Source::Lease);
-            }
-            if let Some(until) = lease.empty_until {
-                if now < until {
-                    return Err(TakeError::Empty(until - now));
-                }
-                lease.empty_until = None;
-            }
-            u64::try_from(n_signed - lease.pool).unwrap_or(u64::MAX)
+        let n_signed = i64::try_from(n).unwrap_or(i64::MAX);
+        if let Some(result) = self.take_local(n_signed, now) {
+            return result;
+        }
+        let _one = self.refill.lock().await;
+        // Another request may have refilled (or found Redis empty) while this one queued.
+        let need = match self.take_local(n_signed, Instant::now()) {
+            Some(result) => return result,
+            None => u64::try_from(n_signed - self.lock().pool).unwrap_or(u64::MAX),
         };
         let max = need.saturating_add(self.lease_target);
         match self.backend.take(&self.spec, need, max).await {
-            Ok(grant) if grant.granted >= need => {
-                let mut lease = self.lock();
-                lease.pool += i64::try_from(grant.granted).unwrap_or(i64::MAX)
-                    - i64::try_from(n).unwrap_or(i64::MAX);
-                Ok(Source::Lease)
-            }
             Ok(grant) => {
-                let wait = grant.retry_after.max(Duration::from_millis(1));
-                self.lock().empty_until = Some(Instant::now() + wait);
-                Err(TakeError::Empty(wait))
+                let mut lease = self.lock();
+                lease.last_remaining = grant.remaining;
+                if grant.granted >= need {
+                    lease.pool += i64::try_from(grant.granted).unwrap_or(i64::MAX) - n_signed;
+                    Ok(Source::Lease)
+                } else {
+                    let wait = grant.retry_after.max(Duration::from_millis(1));
+                    lease.empty_until = Some(Instant::now() + wait);
+                    Err(TakeError::Empty(wait))
+                }
             }
             Err(_) => self.fail(n, now),
+        }
+    }
+
+    /// The lease alone decides: `Some` when it has the tokens, or when Redis said recently
+    /// that the shared bucket is empty.
+    fn take_local(self: &Arc<Self>, n: i64, now: Instant) -> Option<Result<Source, TakeError>> {
+        let mut lease = self.lock();
+        if lease.pool >= n {
+            lease.pool -= n;
+            self.maybe_refill(&mut lease);
+            return Some(Ok(Source::Lease));
+        }
+        match lease.empty_until {
+            Some(until) if now < until => Some(Err(TakeError::Empty(until - now))),
+            _ => {
+                lease.empty_until = None;
+                None
+            }
         }
     }
 
@@ -162,7 +184,11 @@ impl SharedBucket {
     /// Starts a background refill when the lease is below half its target.
     fn maybe_refill(self: &Arc<Self>, lease: &mut Lease) {
         let low = i64::try_from(self.lease_target / 2).unwrap_or(i64::MAX);
-        if lease.refilling || lease.pool >= low || self.backend.is_down() {
+        if lease.refilling
+            || lease.pool >= low
+            || lease.last_remaining < self.lease_target
+            || self.backend.is_down()
+        {
             return;
         }
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
@@ -183,11 +209,8 @@ impl SharedBucket {
             let mut lease = me.lock();
             lease.refilling = false;
             if let Ok(grant) = result {
-                if grant.granted > 0 {
-                    lease.pool += i64::try_from(grant.granted).unwrap_or(0);
-                } else {
-                    lease.empty_until = Some(Instant::now() + grant.retry_after);
-                }
+                lease.last_remaining = grant.remaining;
+                lease.pool += i64::try_from(grant.granted).unwrap_or(0);
             }
         });
     }

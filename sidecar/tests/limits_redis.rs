@@ -1,0 +1,366 @@
+//! The shared rate-limit backend against a real `redis-server` (Debian package
+//! `redis-server`), started by each test on a free loopback port and stopped at the end.
+//!
+//! Two limiters, each with its own Redis connection, stand for two sidecar replicas of one
+//! route. They must enforce a single tokens-per-minute limit together (within 5 %), keep
+//! Redis off the hot path (lease round trips are counted), and follow the route's
+//! `failMode` when Redis is killed mid-test.
+#![allow(clippy::unwrap_used)]
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use serde_json::json;
+use tailwarden_crds::RateLimit;
+use tailwarden_sidecar::{
+    limits::{LimitKind, LimiterOptions, Rejection, RouteLimiter, admit},
+    redis_backend::{BackendSettings, RedisBackend},
+};
+use tokio::time::Instant;
+
+/// A `redis-server` child process on 127.0.0.1, killed when dropped.
+struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+fn redis_server_binary() -> String {
+    if let Ok(path) = std::env::var("TAILWARDEN_REDIS_SERVER") {
+        return path;
+    }
+    for candidate in ["/usr/bin/redis-server", "/usr/local/bin/redis-server"] {
+        if std::path::Path::new(candidate).exists() {
+            return candidate.to_owned();
+        }
+    }
+    panic!(
+        "redis-server not found: install the Debian package (apt-get install -y --no-install-recommends redis-server) or set TAILWARDEN_REDIS_SERVER"
+    );
+}
+
+impl RedisServer {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = Self { port, child: None };
+        server.restart();
+        server
+    }
+
+    /// (Re)starts the server on the same port.
+    fn restart(&mut self) {
+        let child = Command::new(redis_server_binary())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().ok();
+            child.wait().ok();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn settings() -> BackendSettings {
+    BackendSettings {
+        op_timeout: Duration::from_millis(100),
+        retry_interval: Duration::from_millis(200),
+    }
+}
+
+/// One "sidecar": a limiter with its own backend connection.
+fn replica(spec: &serde_json::Value) -> (Arc<RouteLimiter>, Arc<RedisBackend>) {
+    let spec: RateLimit = serde_json::from_value(spec.clone()).unwrap();
+    let address = spec.redis.as_ref().unwrap().address.clone();
+    let backend = Arc::new(RedisBackend::new(&address, settings(), None).unwrap());
+    let limiter = RouteLimiter::new(
+        "shop/chat",
+        &spec,
+        LimiterOptions {
+            backend: Some(backend.clone()),
+            max_tenants: None,
+        },
+    )
+    .unwrap();
+    (Arc::new(limiter), backend)
+}
+
+#[derive(Default)]
+struct Counts {
+    admitted: AtomicU64,
+    tokens: AtomicU64,
+    rate_rejections: AtomicU64,
+    backend_rejections: AtomicU64,
+}
+
+/// Switches shared by the load loops and the test.
+#[derive(Default)]
+struct Flags {
+    stop: AtomicBool,
+    /// Count settled tokens only while set.
+    measuring: AtomicBool,
+    /// Set by the first rate rejection: the burst is spent.
+    saturated: AtomicBool,
+}
+
+/// Runs `workers` loops of admit → settle on a limiter until `flags.stop`.
+async fn load(
+    limiter: Arc<RouteLimiter>,
+    workers: usize,
+    (estimate, actual): (u64, u64),
+    flags: Arc<Flags>,
+    counts: Arc<Counts>,
+) {
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let (limiter, flags, counts) = (limiter.clone(), flags.clone(), counts.clone());
+        tasks.push(tokio::spawn(async move {
+            while !flags.stop.load(Ordering::Relaxed) {
+                match admit(&limiter, None, estimate).await {
+                    Ok(guard) => {
+                        guard.settle(actual);
+                        if flags.measuring.load(Ordering::Relaxed) {
+                            counts.admitted.fetch_add(1, Ordering::Relaxed);
+                            counts.tokens.fetch_add(actual, Ordering::Relaxed);
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    Err(Rejection::BackendDown { .. }) => {
+                        counts.backend_rejections.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err(r) => {
+                        assert_eq!(r.limit(), LimitKind::TokensPerMinute, "{r}");
+                        flags.saturated.store(true, Ordering::Relaxed);
+                        if flags.measuring.load(Ordering::Relaxed) {
+                            counts.rate_rejections.fetch_add(1, Ordering::Relaxed);
+                        }
+                        tokio::time::sleep(r.retry_after().min(Duration::from_millis(5))).await;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_enforce_one_tokens_per_minute_limit() {
+    let redis = RedisServer::start();
+    // 600 000 tokens/min = 10 000 tokens/s. Requests reserve 150 and use 100, so
+    // settlement gives tokens back on every request.
+    let spec = json!({"tokensPerMinute": 600_000, "backend": "redis",
+                      "redis": {"address": redis.address(), "failMode": "closed"}});
+    let (a, backend_a) = replica(&spec);
+    let (b, backend_b) = replica(&spec);
+    let flags = Arc::new(Flags::default());
+    let (counts_a, counts_b) = (Arc::new(Counts::default()), Arc::new(Counts::default()));
+    let run_a = tokio::spawn(load(a, 4, (150, 100), flags.clone(), counts_a.clone()));
+    let run_b = tokio::spawn(load(b, 4, (150, 100), flags.clone(), counts_b.clone()));
+    // Drain the minute's burst first, then measure the steady rate.
+    let drain_deadline = Instant::now() + Duration::from_secs(20);
+    while !flags.saturated.load(Ordering::Relaxed) {
+        assert!(Instant::now() < drain_deadline, "the burst never drained");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let trips_before = backend_a.round_trips() + backend_b.round_trips();
+    flags.measuring.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    flags.measuring.store(false, Ordering::Relaxed);
+    let elapsed = started.elapsed();
+    flags.stop.store(true, Ordering::Relaxed);
+    run_a.await.unwrap();
+    run_b.await.unwrap();
+    let trips = backend_a.round_trips() + backend_b.round_trips() - trips_before;
+
+    let used = counts_a.tokens.load(Ordering::Relaxed) + counts_b.tokens.load(Ordering::Relaxed);
+    let requests =
+        counts_a.admitted.load(Ordering::Relaxed) + counts_b.admitted.load(Ordering::Relaxed);
+    let decisions = requests
+        + counts_a.rate_rejections.load(Ordering::Relaxed)
+        + counts_b.rate_rejections.load(Ordering::Relaxed);
+    let expected = 10_000.0 * elapsed.as_secs_f64();
+    let error = (used as f64 - expected) / expected;
+    println!(
+        "saturated: {used} tokens used in {elapsed:?} (limit rate {expected:.0}): error {:+.2} %; \
+         replica a {} / b {} requests admitted; {trips} Redis round trips for {requests} admitted \
+         requests ({:.1} per admitted request) and {decisions} decisions ({:.0} per 1000)",
+        error * 100.0,
+        counts_a.admitted.load(Ordering::Relaxed),
+        counts_b.admitted.load(Ordering::Relaxed),
+        trips as f64 / requests.max(1) as f64,
+        trips as f64 * 1000.0 / decisions.max(1) as f64
+    );
+    assert!(
+        error.abs() <= 0.05,
+        "two replicas used {used} tokens, expected {expected:.0} ± 5 %"
+    );
+    assert!(
+        counts_a.admitted.load(Ordering::Relaxed) > 0
+            && counts_b.admitted.load(Ordering::Relaxed) > 0
+    );
+    assert_eq!(backend_a.backend_errors() + backend_b.backend_errors(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_the_limit_most_requests_never_wait_on_redis() {
+    let redis = RedisServer::start();
+    // 2 000 000 tokens/min; 2 × 1 000 requests of 500 tokens stay well inside the burst.
+    let spec = json!({"tokensPerMinute": 2_000_000, "backend": "redis",
+                      "redis": {"address": redis.address()}});
+    let (a, backend_a) = replica(&spec);
+    let (b, backend_b) = replica(&spec);
+    let started = std::time::Instant::now();
+    for _ in 0..1_000 {
+        admit(&a, None, 500).await.unwrap().settle(450);
+        admit(&b, None, 500).await.unwrap().settle(450);
+    }
+    let per_call = started.elapsed() / 2_000;
+    let trips = backend_a.round_trips() + backend_b.round_trips();
+    println!(
+        "unsaturated: {trips} Redis round trips for 2000 requests ({:.1} per 1000); {per_call:?} per admit+settle (debug build)",
+        trips as f64 / 2.0
+    );
+    // Each replica leases 1/20 of a minute's tokens (100 000) at a time: 2 × 1 000 × 500
+    // tokens need about a dozen leases, plus returns of settlement refunds.
+    assert!(trips <= 60, "{trips} round trips for 2000 requests");
+}
+
+/// Kills Redis while two replicas are under load and returns what happened after.
+async fn kill_mid_test(fail_mode: &str) -> (Counts, u64, RedisServer, Arc<RouteLimiter>) {
+    let mut redis = RedisServer::start();
+    let spec = json!({"tokensPerMinute": 60_000, "backend": "redis",
+                      "redis": {"address": redis.address(), "failMode": fail_mode}});
+    let (a, backend_a) = replica(&spec);
+    let (b, backend_b) = replica(&spec);
+    // Warm up: leases taken, connections open (2 000 of the 60 000 tokens).
+    for _ in 0..10 {
+        admit(&a, None, 100).await.unwrap().settle(100);
+        admit(&b, None, 100).await.unwrap().settle(100);
+    }
+    redis.kill();
+    let after = Counts::default();
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        for l in [&a, &b] {
+            match admit(l, None, 100).await {
+                Ok(g) => {
+                    g.settle(100);
+                    after.admitted.fetch_add(1, Ordering::Relaxed);
+                    after.tokens.fetch_add(100, Ordering::Relaxed);
+                }
+                Err(Rejection::BackendDown { .. }) => {
+                    after.backend_rejections.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    after.rate_rejections.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let errors = backend_a.backend_errors() + backend_b.backend_errors();
+    (after, errors, redis, a)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_fail_open_keeps_admitting_on_local_limits() {
+    let (after, errors, _redis, _) = kill_mid_test("open").await;
+    let admitted = after.admitted.load(Ordering::Relaxed);
+    println!(
+        "fail open: {admitted} admitted, {} backend rejections, {errors} backend errors counted",
+        after.backend_rejections.load(Ordering::Relaxed)
+    );
+    assert_eq!(after.backend_rejections.load(Ordering::Relaxed), 0);
+    assert!(admitted >= 100, "only {admitted} admitted with Redis down");
+    assert!(errors > 0, "the outage must be counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_fail_closed_rejects_with_503_once_leases_are_spent_then_recovers() {
+    let (after, errors, mut redis, a) = kill_mid_test("closed").await;
+    let admitted = after.admitted.load(Ordering::Relaxed);
+    let down = after.backend_rejections.load(Ordering::Relaxed);
+    println!(
+        "fail closed: {admitted} admitted from leases already held, {down} rejected with 503, {errors} backend errors counted"
+    );
+    assert!(down > 100, "only {down} BackendDown rejections");
+    // Only tokens already leased (at most 2 × 1/20 of 600 000 plus refunds kept) can be
+    // spent while Redis is away.
+    assert!(
+        admitted * 100 <= 2 * 2 * 30_000,
+        "{admitted} admitted with Redis down"
+    );
+    assert!(errors > 0);
+    let r = loop {
+        match admit(&a, None, 100).await {
+            Err(r @ Rejection::BackendDown { .. }) => break r,
+            Ok(g) => g.settle(100),
+            Err(_) => {}
+        }
+    };
+    assert_eq!(r.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.limit(), LimitKind::Backend);
+    assert!(r.to_string().contains("failMode: closed"), "{r}");
+
+    // Redis is back: after the retry interval the replica reconnects and admits again.
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if admit(&a, None, 100).await.is_ok() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no recovery after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
