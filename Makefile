@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e operator-scale sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke
+.PHONY: all build test unit e2e operator-scale sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test
 
 all: build
 
@@ -12,7 +12,7 @@ build:
 
 ## test: everything CI runs — formatting, lints, unit and integration tests (the Helm chart
 ## rendered by the real helm), the real OpenAI SDKs.
-test: fmt-check clippy unit sdk
+test: fmt-check clippy unit sdk observability-test
 
 unit: tools sdk-deps
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
@@ -96,3 +96,10 @@ bench-peers:
 ## from the Go module proxy into .cache/controlplane) accepts our CRD and examples, rejects bad routes.
 controlplane-smoke:
 	e2e/controlplane/smoke.sh
+
+## observability-test: Debian's prometheus (installed when missing; its service is not
+## started): promtool checks and unit-tests the chart's alert rules, and a real Prometheus
+## scrapes the real sidecar under simulated load: every metric, dashboard panel and rule.
+observability-test:
+	bash e2e/prometheus/install.sh
+	$(CARGO) test -p tailwarden-e2e --test prometheus -- --ignored --test-threads 1
