@@ -276,8 +276,8 @@ impl Prometheus {
     /// GET an API path; the `data` of a successful answer.
     fn api(&self, path: &str) -> Value {
         let r = fetch::get(self.addr, path, Duration::from_secs(10)).unwrap();
-        let v: Value = serde_json::from_slice(&r.body)
-            .unwrap_or_else(|e| panic!("{path}: {e}: {}", r.text()));
+        let v: Value =
+            serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{path}: {e}: {}", r.text()));
         assert_eq!(v["status"], "success", "{path}: {v}");
         v["data"].clone()
     }
@@ -352,10 +352,16 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
     .unwrap();
     let web = free_port();
     let mut cmd = Command::new(&prometheus_bin);
-    cmd.arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
-        .arg(format!("--web.listen-address={web}"))
-        .arg("--log.level=warn");
+    cmd.arg(format!(
+        "--config.file={}",
+        dir.join("prometheus.yml").display()
+    ))
+    .arg(format!(
+        "--storage.tsdb.path={}",
+        dir.join("data").display()
+    ))
+    .arg(format!("--web.listen-address={web}"))
+    .arg("--log.level=warn");
     let mut prom_proc = ChildProc::spawn("prometheus", &cmd, &dir.join("prometheus.log")).unwrap();
     prom_proc
         .wait_until(
@@ -369,10 +375,17 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
     // Streaming and non-streaming load at once, through the sidecar.
     let bench = |stream: bool, rate: &str, model: &str, log: &str| {
         let mut cmd = Command::new(BENCH);
-        cmd.args(["--url", &sidecar.base_url(), "--rate", rate, "--duration", LOAD])
-            .args(["--model", model, "--timeout", "15s", "--quiet"])
-            .stdout(Stdio::from(std::fs::File::create(dir.join(log)).unwrap()))
-            .stderr(Stdio::inherit());
+        cmd.args([
+            "--url",
+            &sidecar.base_url(),
+            "--rate",
+            rate,
+            "--duration",
+            LOAD,
+        ])
+        .args(["--model", model, "--timeout", "15s", "--quiet"])
+        .stdout(Stdio::from(std::fs::File::create(dir.join(log)).unwrap()))
+        .stderr(Stdio::inherit());
         if stream {
             cmd.arg("--stream");
         }
@@ -434,8 +447,10 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
 
     // Every panel of the dashboard has data.
     let dashboard: Value = serde_json::from_str(
-        &std::fs::read_to_string(root().join("charts/tailwarden/dashboards/tailwarden-routes.json"))
-            .unwrap(),
+        &std::fs::read_to_string(
+            root().join("charts/tailwarden/dashboards/tailwarden-routes.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let exprs = panel_exprs(&dashboard);
