@@ -10,6 +10,7 @@ pub mod admin;
 pub mod balance;
 pub mod body;
 pub mod breaker;
+pub mod cache;
 pub mod capabilities;
 pub mod dns;
 pub mod error;

@@ -1,0 +1,711 @@
+//! The exact-match response cache: identical deterministic requests get the stored answer,
+//! streams included.
+//!
+//! **Key.** SHA-256 of a canonical form of everything that can change the answer: the route,
+//! the scope's tenant, the endpoint, the model after tier choice, whether the response
+//! streams, and every top-level request member except those that cannot change the answer
+//! (`user`, `metadata`, `store`, `service_tier`, …, see [`IGNORED`]). Unknown members are
+//! *included*: a parameter this code has never heard of (`thinking`, `reasoning_effort`,
+//! provider extensions) must split the key, not silently share answers. The canonical form
+//! is JSON with object keys sorted, no insignificant whitespace, numbers normalised (`0`,
+//! `0.0` and `0e0` are one value) and string escapes normalised (`"\u00e9"` is `"é"`), but
+//! string *contents* untouched: whitespace inside a message can change its meaning (code,
+//! poetry, Markdown tables). Members with `null` values and the API defaults listed in
+//! [`DEFAULTS`] are dropped, so a client that sends `top_p: 1` or `n: 1` hits the entry of
+//! one that does not.
+//!
+//! **What is cached.** Only deterministic requests — `temperature: 0`, embeddings — unless
+//! the route sets `deterministicOnly: false` or the client sends `x-tailwarden-cache: force`.
+//! `x-tailwarden-cache: bypass` or `Cache-Control: no-cache` skips the lookup (the fresh
+//! answer still refreshes the entry); `Cache-Control: no-store` skips both. Only complete 2xx
+//! responses are stored: the caller commits a [`CacheFill`] when the response ended cleanly,
+//! and a stream must also end with `data: [DONE]` and carry no error event.
+//!
+//! **Store.** `quick_cache` (S3-FIFO: scan-resistant, hit rates on par with TinyLFU),
+//! weighted by bytes. Eviction happens inline on insert, so the byte bound holds at every
+//! moment and tests are deterministic (no background maintenance, unlike moka), and its
+//! dependency tree is small. Entries are bounded by count *and* bytes with one weight:
+//! each entry weighs `max(its bytes, maxBytes / maxEntries)` against a capacity of
+//! `maxBytes`, which implies both bounds. The TTL is checked on read against an injectable
+//! clock (`tokio::time::Instant`, so tests use paused time); expired entries are dropped
+//! when read and otherwise age out by eviction.
+//!
+//! **Streams** are stored as the exact chunks the client received and replayed as the same
+//! chunks by [`ReplayBody`], so a streamed hit is byte-for-byte the same SSE events.
+
+use std::{
+    collections::VecDeque,
+    convert::Infallible,
+    io::Write,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use http_body::{Body, Frame, SizeHint};
+use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter, sync::Cache};
+use serde_json::Value;
+use tailwarden_crds::CacheScope;
+use tokio::time::Instant;
+
+use crate::request::RequestBody;
+
+/// Request members that cannot change the answer and stay out of the key.
+pub const IGNORED: &[&str] = &[
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// API defaults: a member equal to its default is dropped from the key. `tool_choice` is
+/// handled apart (its default depends on whether `tools` are present).
+pub const DEFAULTS: &[(&str, &str)] = &[
+    ("temperature", "1"),
+    ("top_p", "1"),
+    ("n", "1"),
+    ("best_of", "1"),
+    ("presence_penalty", "0"),
+    ("frequency_penalty", "0"),
+    ("logprobs", "false"),
+    ("echo", "false"),
+    ("parallel_tool_calls", "true"),
+    ("response_format", r#"{"type":"text"}"#),
+    ("logit_bias", "{}"),
+    ("stop", "[]"),
+    ("tools", "[]"),
+    ("encoding_format", r#""float""#),
+];
+
+/// Largest single entry: bigger responses are not cached (`CacheFill` abandons them).
+pub const MAX_ENTRY_BYTES: usize = 8 << 20;
+
+/// The client's cache directive, from `x-tailwarden-cache` and `Cache-Control`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Directive {
+    /// Do not serve from the cache.
+    pub no_read: bool,
+    /// Do not store the response.
+    pub no_write: bool,
+    /// Cache even if the request is not deterministic.
+    pub force: bool,
+}
+
+impl Directive {
+    pub fn from_headers(headers: &HeaderMap) -> Self {
+        let mut d = Self::default();
+        for v in headers.get_all("x-tailwarden-cache") {
+            match v.to_str().map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+                Ok("bypass") => d.no_read = true,
+                Ok("force") => d.force = true,
+                _ => {}
+            }
+        }
+        for v in headers.get_all(header::CACHE_CONTROL) {
+            for part in v.to_str().unwrap_or("").split(',') {
+                match part.trim().to_ascii_lowercase().as_str() {
+                    "no-cache" => d.no_read = true,
+                    "no-store" => {
+                        d.no_read = true;
+                        d.no_write = true;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        d
+    }
+}
+
+/// Why a request does not use the cache: the value of `x-tailwarden-cache-reason` next to
+/// `x-tailwarden-cache: bypass`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotCacheable {
+    /// `bypass` or `no-cache`: not returned by [`ExactCache::key`] (the key still refreshes
+    /// the entry, with [`CacheKey::read`] false) but the reason to report for it.
+    #[error("client-bypass")]
+    ClientBypass,
+    #[error("no-store")]
+    NoStore,
+    #[error("not-deterministic")]
+    NotDeterministic,
+    #[error("unparseable-member")]
+    Unparseable,
+}
+
+/// A request's cache key, and what the client allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheKey {
+    digest: [u8; 32],
+    /// Serve from the cache (false with `bypass` / `no-cache`).
+    pub read: bool,
+}
+
+impl CacheKey {
+    /// Hex of the digest (for debugging and logs).
+    pub fn hex(&self) -> String {
+        self.digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// A stored response.
+#[derive(Debug)]
+pub struct Entry {
+    pub status: StatusCode,
+    pub content_type: Option<HeaderValue>,
+    /// The body as the client received it: one chunk for a plain response, the relayed
+    /// chunks of a stream.
+    pub chunks: Vec<Bytes>,
+    pub stream: bool,
+    pub stored_at: Instant,
+    expires_at: Instant,
+    bytes: usize,
+}
+
+impl Entry {
+    /// Body bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The whole body in one piece (non-stream replay).
+    pub fn body(&self) -> Bytes {
+        if let [one] = self.chunks.as_slice() {
+            return one.clone();
+        }
+        let mut out = Vec::with_capacity(self.bytes);
+        for c in &self.chunks {
+            out.extend_from_slice(c);
+        }
+        Bytes::from(out)
+    }
+
+    /// Seconds since it was stored, for an `Age` header.
+    pub fn age(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.stored_at).as_secs()
+    }
+
+    /// A body that yields the stored chunks one by one.
+    pub fn replay(self: &Arc<Self>) -> ReplayBody {
+        ReplayBody {
+            chunks: self.chunks.iter().cloned().collect(),
+        }
+    }
+}
+
+/// The response body of a cache hit: the stored chunks, in order, as separate frames.
+#[derive(Debug)]
+pub struct ReplayBody {
+    chunks: VecDeque<Bytes>,
+}
+
+impl Body for ReplayBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.chunks.pop_front().map(|c| Ok(Frame::data(c))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
+    }
+}
+
+/// Weighs an entry by its bytes, never below one "slot" (`maxBytes / maxEntries`), which
+/// bounds the entry count by the same capacity.
+#[derive(Debug, Clone, Copy)]
+struct ByBytes {
+    slot: u64,
+}
+
+/// Key and bookkeeping overhead counted per entry.
+const ENTRY_OVERHEAD: u64 = 160;
+
+impl Weighter<[u8; 32], Arc<Entry>> for ByBytes {
+    fn weight(&self, _key: &[u8; 32], val: &Arc<Entry>) -> u64 {
+        (val.bytes as u64 + ENTRY_OVERHEAD).max(self.slot)
+    }
+}
+
+/// Counters for metrics.
+#[derive(Debug, Default)]
+pub struct CacheStats {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub stores: AtomicU64,
+    /// Fills dropped: too large, not a clean 2xx, a truncated or failed stream.
+    pub abandoned: AtomicU64,
+    pub expired: AtomicU64,
+}
+
+/// Settings of one route's cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheSettings {
+    pub ttl: Duration,
+    pub max_entries: u64,
+    pub max_bytes: u64,
+    pub scope: CacheScope,
+    pub deterministic_only: bool,
+    /// Header naming the tenant (the route's `rateLimit.tenantHeader`).
+    pub tenant_header: Option<http::HeaderName>,
+}
+
+impl CacheSettings {
+    pub fn from_spec(spec: &tailwarden_crds::ExactCache, tenant_header: Option<&str>) -> Self {
+        Self {
+            ttl: spec.ttl.get(),
+            max_entries: spec.max_entries.max(1),
+            max_bytes: spec.max_bytes.get().max(1),
+            scope: spec.scope,
+            deterministic_only: spec.deterministic_only,
+            tenant_header: tenant_header
+                .and_then(|h| http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()),
+        }
+    }
+}
+
+/// One route's exact cache.
+pub struct ExactCache {
+    route: String,
+    settings: CacheSettings,
+    max_entry_bytes: usize,
+    store: Cache<[u8; 32], Arc<Entry>, ByBytes, DefaultHashBuilder>,
+    stats: CacheStats,
+}
+
+impl std::fmt::Debug for ExactCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExactCache({})", self.route)
+    }
+}
+
+impl ExactCache {
+    pub fn new(route: &str, settings: CacheSettings) -> Arc<Self> {
+        let max_bytes = settings.max_bytes;
+        let max_entry_bytes = usize::try_from((max_bytes / 16).max(1))
+            .unwrap_or(usize::MAX)
+            .min(MAX_ENTRY_BYTES);
+        // quick_cache splits the capacity between shards; keep every shard able to hold at
+        // least four of the largest entries.
+        let mut shards = (max_bytes / (4 * max_entry_bytes as u64)).clamp(1, 16);
+        shards = 1 << (63 - shards.leading_zeros());
+        let slot = (max_bytes / settings.max_entries).max(1);
+        let options = OptionsBuilder::new()
+            .estimated_items_capacity(usize::try_from(settings.max_entries).unwrap_or(usize::MAX))
+            .weight_capacity(max_bytes)
+            .shards(shards as usize)
+            .build();
+        let store = match options {
+            Ok(options) => Cache::with_options(
+                options,
+                ByBytes { slot },
+                DefaultHashBuilder::default(),
+                Default::default(),
+            ),
+            // The options are all set above; fall back to the plain constructor regardless.
+            Err(_) => Cache::with(
+                usize::try_from(settings.max_entries).unwrap_or(usize::MAX),
+                max_bytes,
+                ByBytes { slot },
+                DefaultHashBuilder::default(),
+                Default::default(),
+            ),
+        };
+        Arc::new(Self {
+            route: route.to_owned(),
+            settings,
+            max_entry_bytes,
+            store,
+            stats: CacheStats::default(),
+        })
+    }
+
+    pub fn settings(&self) -> &CacheSettings {
+        &self.settings
+    }
+
+    pub fn stats(&self) -> &CacheStats {
+        &self.stats
+    }
+
+    /// Largest response stored.
+    pub fn max_entry_bytes(&self) -> usize {
+        self.max_entry_bytes
+    }
+
+    /// Entries and their total weight (bytes, with each entry counted at least one slot).
+    pub fn usage(&self) -> (usize, u64) {
+        (self.store.len(), self.store.weight())
+    }
+
+    /// The key of a request to `endpoint` (`/chat/completions`, …) for `model` (after tier
+    /// choice), or why it is not cached.
+    pub fn key(
+        &self,
+        body: &RequestBody<'_>,
+        endpoint: &str,
+        model: &str,
+        headers: &HeaderMap,
+    ) -> Result<CacheKey, NotCacheable> {
+        let directive = Directive::from_headers(headers);
+        if directive.no_write {
+            return Err(NotCacheable::NoStore);
+        }
+        let stream = body.stream && endpoint != "/embeddings";
+        if self.settings.deterministic_only && !directive.force && endpoint != "/embeddings" {
+            let temperature = body
+                .member("temperature")
+                .and_then(|raw| serde_json::from_str::<f64>(raw.get()).ok());
+            if temperature != Some(0.0) {
+                return Err(NotCacheable::NotDeterministic);
+            }
+        }
+        let tenant = match (self.settings.scope, &self.settings.tenant_header) {
+            (CacheScope::Tenant, Some(name)) => headers
+                .get(name)
+                .map(|v| v.as_bytes().to_vec())
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let mut h = Hasher::default();
+        // Length-prefixed header fields so that no two (route, tenant, …) tuples collide.
+        for field in [
+            self.route.as_bytes(),
+            &tenant,
+            endpoint.as_bytes(),
+            model.as_bytes(),
+            if stream { b"stream" } else { b"whole" },
+        ] {
+            h.update(&(field.len() as u64).to_le_bytes());
+            h.update(field);
+        }
+        let members = canonical_members(body, stream)?;
+        for (name, value) in &members {
+            h.update(name.as_bytes());
+            h.update(b"=");
+            write_canonical(value, &mut h);
+            h.update(b"\n");
+        }
+        Ok(CacheKey {
+            digest: h.finish(),
+            read: !directive.no_read,
+        })
+    }
+
+    /// The stored response, if fresh. Misses are counted only for readable keys.
+    pub fn get(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+        if !key.read {
+            return None;
+        }
+        let found = self.store.get(&key.digest);
+        match found {
+            Some(entry) if Instant::now() < entry.expires_at => {
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                Some(entry)
+            }
+            Some(_) => {
+                self.store.remove(&key.digest);
+                self.stats.expired.fetch_add(1, Ordering::Relaxed);
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            None => {
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Starts recording a response for `key`; `None` when it cannot be stored (not a 2xx).
+    pub fn fill(
+        self: &Arc<Self>,
+        key: &CacheKey,
+        status: StatusCode,
+        headers: &HeaderMap,
+        stream: bool,
+    ) -> Option<CacheFill> {
+        if !status.is_success() {
+            return None;
+        }
+        Some(CacheFill {
+            cache: self.clone(),
+            digest: key.digest,
+            status,
+            content_type: headers.get(header::CONTENT_TYPE).cloned(),
+            stream,
+            chunks: Vec::new(),
+            bytes: 0,
+            over: false,
+            done: false,
+        })
+    }
+}
+
+/// Records a response as it is relayed; stores it on [`commit`](Self::commit). Dropped
+/// without commit (an error, a truncated stream, a client that went away), it stores
+/// nothing.
+pub struct CacheFill {
+    cache: Arc<ExactCache>,
+    digest: [u8; 32],
+    status: StatusCode,
+    content_type: Option<HeaderValue>,
+    stream: bool,
+    chunks: Vec<Bytes>,
+    bytes: usize,
+    /// Grew past the largest entry: chunks dropped, nothing will be stored.
+    over: bool,
+    /// Committed (stored or refused): nothing left to count on drop.
+    done: bool,
+}
+
+impl std::fmt::Debug for CacheFill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CacheFill({} bytes)", self.bytes)
+    }
+}
+
+impl CacheFill {
+    /// A chunk as sent to the client (cheap: `Bytes` is reference-counted).
+    pub fn push(&mut self, chunk: &Bytes) {
+        if self.over || chunk.is_empty() {
+            return;
+        }
+        self.bytes += chunk.len();
+        if self.bytes > self.cache.max_entry_bytes {
+            self.over = true;
+            self.chunks = Vec::new();
+            return;
+        }
+        self.chunks.push(chunk.clone());
+    }
+
+    /// Whether the response is still storable (not over the entry limit).
+    pub fn is_recording(&self) -> bool {
+        !self.over
+    }
+
+    /// The response completed cleanly: store it. Returns whether it was stored — a stream
+    /// without its final `data: [DONE]` or with an error event never is.
+    pub fn commit(mut self) -> bool {
+        self.done = true;
+        let cache = &self.cache;
+        if self.over || (self.stream && !clean_sse(&self.chunks)) {
+            cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let now = Instant::now();
+        let entry = Arc::new(Entry {
+            status: self.status,
+            content_type: self.content_type.take(),
+            chunks: std::mem::take(&mut self.chunks),
+            stream: self.stream,
+            stored_at: now,
+            expires_at: now + cache.settings.ttl,
+            bytes: self.bytes,
+        });
+        cache.store.insert(self.digest, entry);
+        cache.stats.stores.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+}
+
+impl Drop for CacheFill {
+    fn drop(&mut self) {
+        // Dropped without commit: an error, a truncated stream, a client that went away.
+        if !self.done {
+            self.cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A stream is complete when its last event is `data: [DONE]`, and clean when no event is
+/// an error (`data: {"error": …}` or `event: error`).
+fn clean_sse(chunks: &[Bytes]) -> bool {
+    let mut all = Vec::with_capacity(chunks.iter().map(Bytes::len).sum());
+    for c in chunks {
+        all.extend_from_slice(c);
+    }
+    let Ok(text) = std::str::from_utf8(&all) else {
+        return false;
+    };
+    let mut last_data = None;
+    for line in text.lines() {
+        let line = line.trim_end_matches('\r');
+        if line == "event: error" || line == "event:error" {
+            return false;
+        }
+        if let Some(data) = line.strip_prefix("data:") {
+            let data = data.trim_start();
+            if data.starts_with("{\"error\"") {
+                return false;
+            }
+            last_data = Some(data);
+        }
+    }
+    last_data == Some("[DONE]") && text.ends_with('\n')
+}
+
+/// The members that go into the key, in name order, defaults dropped.
+fn canonical_members(
+    body: &RequestBody<'_>,
+    stream: bool,
+) -> Result<Vec<(String, Value)>, NotCacheable> {
+    let mut members = Vec::new();
+    let mut has_tools = false;
+    for (name, raw) in body.members() {
+        // The model is keyed after tier choice; `stream` is keyed apart.
+        if name == "model" || name == "stream" || IGNORED.contains(&name) {
+            continue;
+        }
+        // How a stream's usage is reported changes its bytes; a whole response ignores it.
+        if name == "stream_options" && !stream {
+            continue;
+        }
+        let value: Value =
+            serde_json::from_str(raw.get()).map_err(|_| NotCacheable::Unparseable)?;
+        if value.is_null() {
+            continue;
+        }
+        if DEFAULTS
+            .iter()
+            .any(|(n, d)| *n == name && canonical_eq(&value, d))
+        {
+            continue;
+        }
+        if name == "tools" {
+            has_tools = true;
+        }
+        members.push((name.to_owned(), value));
+    }
+    // tool_choice defaults to "auto" with tools and "none" without.
+    let tool_default = if has_tools { "auto" } else { "none" };
+    members.retain(|(n, v)| !(n == "tool_choice" && v.as_str() == Some(tool_default)));
+    members.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(members)
+}
+
+fn canonical_eq(value: &Value, default_json: &str) -> bool {
+    let Ok(default) = serde_json::from_str::<Value>(default_json) else {
+        return false;
+    };
+    let (mut a, mut b) = (Hasher::default(), Hasher::default());
+    write_canonical(value, &mut a);
+    write_canonical(&default, &mut b);
+    a.finish() == b.finish()
+}
+
+/// Writes the canonical JSON of a value: sorted keys, no whitespace, normalised numbers
+/// and string escapes. Independent of serde_json's `preserve_order` feature.
+pub fn write_canonical(value: &Value, out: &mut impl Write) {
+    // Writes into a hasher or a Vec cannot fail.
+    let _ = write_value(value, out);
+}
+
+fn write_value(value: &Value, out: &mut impl Write) -> std::io::Result<()> {
+    match value {
+        Value::Null => out.write_all(b"null"),
+        Value::Bool(b) => out.write_all(if *b { b"true" } else { b"false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                write!(out, "{i}")
+            } else if let Some(u) = n.as_u64() {
+                write!(out, "{u}")
+            } else {
+                let f = n.as_f64().unwrap_or(0.0);
+                if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 {
+                    // 0.0, 1.0, 2e3 are the integers they equal.
+                    write!(out, "{}", f as i64)
+                } else {
+                    write!(out, "{f:?}")
+                }
+            }
+        }
+        Value::String(s) => serde_json::to_writer(&mut *out, s).map_err(std::io::Error::other),
+        Value::Array(items) => {
+            out.write_all(b"[")?;
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                write_value(item, out)?;
+            }
+            out.write_all(b"]")
+        }
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.write_all(b"{")?;
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                serde_json::to_writer(&mut *out, k).map_err(std::io::Error::other)?;
+                out.write_all(b":")?;
+                if let Some(v) = map.get(*k) {
+                    write_value(v, out)?;
+                }
+            }
+            out.write_all(b"}")
+        }
+    }
+}
+
+/// SHA-256 over whatever is written to it: keys never hold request text.
+struct Hasher(ring::digest::Context);
+
+impl Default for Hasher {
+    fn default() -> Self {
+        Self(ring::digest::Context::new(&ring::digest::SHA256))
+    }
+}
+
+impl Hasher {
+    fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    fn finish(self) -> [u8; 32] {
+        let digest = self.0.finish();
+        let mut out = [0u8; 32];
+        out.copy_from_slice(digest.as_ref());
+        out
+    }
+}
+
+impl Write for Hasher {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The canonical JSON of a value as a string (tests, debugging).
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = Vec::new();
+    write_canonical(value, &mut out);
+    String::from_utf8(out).unwrap_or_default()
+}
