@@ -174,3 +174,27 @@ fn walk_rules_only(node: &serde_json::Value, path: &str, rules: &mut String) {
         }
     }
 }
+
+thread_local! {
+    /// The CRD's CEL rules, compiled once per thread: compiling them is far more work than
+    /// evaluating them, and the operator validates on every reconcile.
+    static COMPILED: kube::core::cel::CompiledSchema = {
+        let schema = InferenceRoute::crd()
+            .spec
+            .versions
+            .first()
+            .and_then(|v| v.schema.as_ref())
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .and_then(|s| serde_json::to_value(s).ok())
+            .unwrap_or_default();
+        kube::core::cel::compile_schema(&schema)
+    };
+}
+
+/// Checks a route against the CRD's CEL rules offline — what the API server checks, with the
+/// same messages and field paths. Equivalent to `InferenceRoute::validate_cel`, without
+/// recompiling the rules on every call.
+pub fn validate(route: &InferenceRoute) -> Result<(), kube::core::cel::ValidationErrors> {
+    let object = serde_json::to_value(route).unwrap_or_default();
+    COMPILED.with(|compiled| kube::core::cel::validate_compiled(compiled, &object, None))
+}

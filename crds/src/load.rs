@@ -244,7 +244,7 @@ fn load_one(
                 continue;
             }
         };
-        if let Err(errors) = route.validate_cel() {
+        if let Err(errors) = crate::crd::validate(&route) {
             for error in errors.iter() {
                 issues.push(issue(
                     number,

@@ -4,7 +4,7 @@
 //! the operator reconciles them and the sidecar reads them from its config file. Field docs
 //! become the OpenAPI descriptions that `kubectl explain` shows, so they are written for users.
 //! Cross-field rules are CEL (`x-kubernetes-validations`) so the API server enforces them, and
-//! the same rules run offline through [`InferenceRoute::validate_cel`] in the standalone sidecar.
+//! the same rules run offline through [`crate::crd::validate`] in the standalone sidecar.
 
 use std::collections::BTreeMap;
 

@@ -221,13 +221,16 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
     // Accepted: the spec passes the CRD's own rules (the API server checked them when the
     // CRD was current; this catches routes stored under an older CRD) and claims no model
     // an older route of the namespace already serves.
-    let mut problems: Vec<String> = match route.validate_cel() {
+    let mut problems: Vec<String> = match tailwarden_crds::crd::validate(route) {
         Ok(()) => Vec::new(),
         Err(errors) => errors.iter().map(|e| e.to_string()).collect(),
     };
     let invalid = !problems.is_empty();
-    let others: Vec<InferenceRoute> = ctx.routes.state().iter().map(|r| (**r).clone()).collect();
-    problems.extend(render::model_conflicts(route, &others));
+    let all = ctx.routes.state();
+    problems.extend(render::model_conflicts(
+        route,
+        all.iter().map(AsRef::as_ref),
+    ));
     let accepted = if problems.is_empty() {
         Observed::new(ACCEPTED, true, "Valid", "The route is valid.")
     } else {

@@ -104,7 +104,10 @@ pub fn hash(text: &str) -> String {
 /// Models claimed by another, older route of the same namespace (the one created first
 /// keeps the model; ties go to the name that sorts first). A sidecar serving both routes
 /// would reject the pair, so the later route is not accepted.
-pub fn model_conflicts(route: &InferenceRoute, others: &[InferenceRoute]) -> Vec<String> {
+pub fn model_conflicts<'a>(
+    route: &InferenceRoute,
+    others: impl IntoIterator<Item = &'a InferenceRoute>,
+) -> Vec<String> {
     let key = |r: &InferenceRoute| {
         (
             r.metadata.creation_timestamp.as_ref().map(|t| t.0),
@@ -238,9 +241,9 @@ mod tests {
         a.metadata.creation_timestamp = t(100);
         b.metadata.creation_timestamp = t(200);
         let all = vec![a.clone(), b.clone()];
-        assert!(model_conflicts(&a, &all).is_empty());
+        assert!(model_conflicts(&a, all.iter()).is_empty());
         assert_eq!(
-            model_conflicts(&b, &all),
+            model_conflicts(&b, all.iter()),
             vec![
                 "model \"gpt-4.1\" is already served by route a",
                 "model \"gpt-4.1-mini\" is already served by route a"
