@@ -240,7 +240,7 @@ mod tests {
         let t = |s: i64| Some(Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap()));
         a.metadata.creation_timestamp = t(100);
         b.metadata.creation_timestamp = t(200);
-        let all = vec![a.clone(), b.clone()];
+        let all = [a.clone(), b.clone()];
         assert!(model_conflicts(&a, all.iter()).is_empty());
         assert_eq!(
             model_conflicts(&b, all.iter()),
