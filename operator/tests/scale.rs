@@ -33,22 +33,48 @@ fn rss_kib(pid: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, run with `make operator-scale`"]
 async fn five_hundred_routes() {
-    let n: usize = std::env::var("ROUTES").ok().and_then(|v| v.parse().ok()).unwrap_or(500);
+    let n: usize = std::env::var("ROUTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500);
     let cp = tailwarden_e2e::controlplane::ControlPlane::up("op-scale").unwrap();
     let kubeconfig = Kubeconfig::read_from(cp.var("KUBECONFIG")).unwrap();
     let client = Client::try_from(
-        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await.unwrap(),
+        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap(),
     )
     .unwrap();
-    let out = cp.kubectl(&["apply", "--server-side", "-f", "crds/inferenceroute.yaml"], None);
+    let out = cp.kubectl(
+        &["apply", "--server-side", "-f", "crds/inferenceroute.yaml"],
+        None,
+    );
     assert!(out.ok, "{}", out.text);
-    cp.kubectl(&["wait", "--for=condition=Established", "crd/inferenceroutes.tailwarden.io"], None);
+    cp.kubectl(
+        &[
+            "wait",
+            "--for=condition=Established",
+            "crd/inferenceroutes.tailwarden.io",
+        ],
+        None,
+    );
     for ns in ["scale", "tailwarden-system"] {
-        let obj: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
-        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &obj).await.unwrap();
+        let obj: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap();
     }
     let mut operator = Command::new(env!("CARGO_BIN_EXE_tailwarden-operator"))
-        .args(["run", "--leader-elect=false", "--webhook-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args([
+            "run",
+            "--leader-elect=false",
+            "--webhook-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
         .args(["--sidecar-image", "x"])
         .env("KUBECONFIG", cp.var("KUBECONFIG"))
         .env("POD_NAMESPACE", "tailwarden-system")
@@ -65,9 +91,16 @@ async fn five_hundred_routes() {
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "scale");
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, Instant)>();
     let watch = tokio::spawn(async move {
-        let mut stream = watcher(cms, watcher::Config::default()).applied_objects().boxed();
+        let mut stream = watcher(cms, watcher::Config::default())
+            .applied_objects()
+            .boxed();
         while let Some(Ok(cm)) = stream.next().await {
-            if let Some(name) = cm.metadata.name.as_deref().and_then(|n| n.strip_prefix("tailwarden-route-")) {
+            if let Some(name) = cm
+                .metadata
+                .name
+                .as_deref()
+                .and_then(|n| n.strip_prefix("tailwarden-route-"))
+            {
                 let _ = tx.send((name.to_owned(), Instant::now()));
             }
         }
@@ -105,7 +138,9 @@ async fn five_hundred_routes() {
     assert_eq!(latencies.len(), n, "every route got its ConfigMap");
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)];
-    println!("\n| routes | applied in | all ConfigMaps in | create→ConfigMap p50 | p99 | max | operator RSS idle | peak |");
+    println!(
+        "\n| routes | applied in | all ConfigMaps in | create→ConfigMap p50 | p99 | max | operator RSS idle | peak |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     println!(
         "| {n} | {:.1} s | {:.1} s | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} MiB | {:.1} MiB |",
