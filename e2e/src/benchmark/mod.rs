@@ -138,6 +138,8 @@ pub struct TargetResult {
     pub rss_peak_kib: Option<u64>,
     /// Processes in the proxy's process group.
     pub processes: usize,
+    /// Things worth knowing about how it ran (restarts after an overload).
+    pub notes: Vec<String>,
 }
 
 impl TargetResult {
@@ -154,6 +156,7 @@ impl TargetResult {
             rss_idle_kib: None,
             rss_peak_kib: None,
             processes: 0,
+            notes: Vec::new(),
         }
     }
 
@@ -457,9 +460,10 @@ fn measure_target(
     std::thread::sleep(Duration::from_secs(1));
     let pgid = launched.process.pgid();
     res.rss_idle_kib = pgid.and_then(crate::proc::group_rss_kib);
-    let sampler = RssSampler::start(pgid);
+    let mut sampler = RssSampler::start(pgid);
+    let mut peak: Option<u64> = None;
     let run = |cfg: BenchConfig, what: &str| -> Option<Report> {
-        say(opts, &format!("   {}: {what}", kind.name()));
+        say(opts, &format!("   {label}: {what}"));
         match rt.block_on(bench::run_until(cfg, demo::stopped(stop.clone()))) {
             Ok(r) => Some(r),
             Err(e) => {
@@ -468,10 +472,42 @@ fn measure_target(
             }
         }
     };
+    // After an overload a proxy may still be working through requests whose clients gave
+    // up; the next scenario must not inherit that backlog. Wait up to 60 s for it to answer
+    // the smoke requests within 2 s each again, else restart it.
+    let recover = |launched: &mut peers::Launched,
+                   sampler: &mut RssSampler,
+                   peak: &mut Option<u64>,
+                   after: &str|
+     -> Result<Option<String>, String> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while std::time::Instant::now() < deadline && !*stop.borrow() {
+            if peers::smoke_once(launched, Duration::from_secs(2)).is_ok() {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        if *stop.borrow() {
+            return Ok(None);
+        }
+        say(
+            opts,
+            &format!("   {label}: not recovered 60 s after {after}; restarting it"),
+        );
+        *peak = (*peak).max(std::mem::replace(sampler, RssSampler::start(None)).finish());
+        launched.process.stop();
+        *launched = peers::launch(kind, ctx)?;
+        peers::smoke(launched, Duration::from_secs(30))?;
+        *sampler = RssSampler::start(launched.process.pgid());
+        Ok(Some(format!(
+            "restarted after {after}: still not serving 60 s later"
+        )))
+    };
 
     let mut saturated_at: Option<f64> = None;
+    let mut broken: Option<String> = None;
     for &rate in &opts.rates {
-        if *stop.borrow() {
+        if *stop.borrow() || broken.is_some() {
             break;
         }
         if let Some(at) = saturated_at {
@@ -494,14 +530,27 @@ fn measure_target(
             report,
             skipped: None,
         });
+        match recover(
+            &mut launched,
+            &mut sampler,
+            &mut peak,
+            &format!("{rate} req/s"),
+        ) {
+            Ok(note) => res.notes.extend(note),
+            Err(e) => broken = Some(e),
+        }
     }
-    if !*stop.borrow() {
+    if !*stop.borrow() && broken.is_none() {
         res.stream = run(
             load(&launched.paced, opts, Some(opts.stream_rate), true),
             &format!("streaming, {} req/s", opts.stream_rate),
         );
+        match recover(&mut launched, &mut sampler, &mut peak, "the streaming run") {
+            Ok(note) => res.notes.extend(note),
+            Err(e) => broken = Some(e),
+        }
     }
-    if !*stop.borrow() {
+    if !*stop.borrow() && broken.is_none() {
         let mut cfg = load(&launched.instant, opts, None, false);
         cfg.concurrency = Some(opts.saturation_workers);
         cfg.duration = opts.saturation_duration;
@@ -513,7 +562,11 @@ fn measure_target(
             ),
         );
     }
-    res.rss_peak_kib = sampler.finish();
+    if let Some(e) = broken {
+        res.notes
+            .push(format!("remaining runs skipped: restart failed: {e}"));
+    }
+    res.rss_peak_kib = peak.max(sampler.finish());
     res.processes = launched.process.group_size();
     launched.process.stop();
     res

@@ -464,7 +464,7 @@ fn launch_portkey(ctx: &LaunchContext<'_>, dir: &Path) -> Result<Launched, Strin
 pub fn smoke(l: &Launched, timeout: Duration) -> Result<(), String> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
-        match smoke_once(l) {
+        match smoke_once(l, Duration::from_secs(10)) {
             Ok(()) => return Ok(()),
             Err(e) if std::time::Instant::now() >= deadline => return Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(500)),
@@ -472,7 +472,8 @@ pub fn smoke(l: &Launched, timeout: Duration) -> Result<(), String> {
     }
 }
 
-fn smoke_once(l: &Launched) -> Result<(), String> {
+/// Both smoke requests, each within `per_request`.
+pub fn smoke_once(l: &Launched, per_request: Duration) -> Result<(), String> {
     for (ep, stream) in [(&l.instant, false), (&l.paced, true)] {
         let (addr, path) = split_url(&ep.url)?;
         let body = serde_json::json!({
@@ -486,7 +487,7 @@ fn smoke_once(l: &Launched) -> Result<(), String> {
             &format!("{path}/chat/completions"),
             &ep.headers,
             &body,
-            Duration::from_secs(10),
+            per_request,
         )
         .map_err(|e| e.to_string())?;
         let text = r.text();
