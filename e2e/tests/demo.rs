@@ -101,7 +101,7 @@ fn short_demo_prints_the_table_and_the_sidecar_has_fewer_errors() {
         "throughput (ok)",
         "upstream amplification",
         "seed 42",
-        "command: tailwarden-demo --rate 40 --duration 3s --seed 42",
+        "tailwarden-demo --rate 40 --duration 3s --seed 42",
     ] {
         assert!(stdout.contains(row), "missing {row:?} in:\n{stdout}");
     }
