@@ -703,6 +703,51 @@ impl Write for Hasher {
     }
 }
 
+/// Route caches kept across config reloads: a route whose cache settings did not change
+/// keeps its entries.
+#[derive(Default)]
+pub struct Caches {
+    routes: std::sync::Mutex<std::collections::HashMap<String, Arc<ExactCache>>>,
+}
+
+impl std::fmt::Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Caches")
+    }
+}
+
+impl Caches {
+    /// The cache of a route, reused when its settings are unchanged; `None` when disabled.
+    /// `tenant_header` is the route's `rateLimit.tenantHeader` (for the `tenant` scope).
+    pub fn for_route(
+        &self,
+        route: &str,
+        spec: &tailwarden_crds::ExactCache,
+        tenant_header: Option<&str>,
+    ) -> Option<Arc<ExactCache>> {
+        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        if !spec.enabled {
+            routes.remove(route);
+            return None;
+        }
+        let settings = CacheSettings::from_spec(spec, tenant_header);
+        if let Some(cache) = routes.get(route)
+            && cache.settings == settings
+        {
+            return Some(cache.clone());
+        }
+        let cache = ExactCache::new(route, settings);
+        routes.insert(route.to_owned(), cache.clone());
+        Some(cache)
+    }
+
+    /// Forgets routes no longer in the config.
+    pub fn retain(&self, routes: &[&str]) {
+        let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|name, _| routes.contains(&name.as_str()));
+    }
+}
+
 /// The canonical JSON of a value as a string (tests, debugging).
 pub fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();

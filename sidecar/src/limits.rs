@@ -14,9 +14,13 @@
 //! - Concurrency is a FIFO semaphore with a bounded wait queue (`maxQueued`) and a wait
 //!   limit (`queueTimeout`); it is per sidecar, because it protects this pod's queue.
 //! - Tenants (values of `tenantHeader`) get their own limits (`perTenant`). At most
-//!   [`MAX_TENANTS`] are tracked; the least recently used idle tenant is forgotten first —
-//!   never one with requests in flight or a bucket that has not refilled, so forgetting a
-//!   tenant never changes a decision.
+//!   [`MAX_TENANTS`] are tracked (S3-FIFO: a flood of one-off tenant names churns through
+//!   the small queue without pushing out tenants with steady traffic); a tenant with
+//!   requests in flight is never forgotten, so its concurrency slots stay counted. A tenant
+//!   forgotten between two requests comes back with full buckets — only after thousands of
+//!   other tenants were seen, and no more than a client gets by changing its tenant header:
+//!   per-tenant limits are fairness, the route's limits cap the total. Pinning tenants until
+//!   their buckets refill would instead let such a flood grow the table without bound.
 //!
 //! A rejection says which limit was hit, for whom, and when to come back (`Retry-After`,
 //! from the bucket). Over a rate: 429, the client is over its rate. Queue full or queue
@@ -273,14 +277,6 @@ impl Rate {
             Rate::Shared(s) => s.charge(n, source, now),
         }
     }
-
-    fn is_idle(&self, now: Instant) -> bool {
-        match self {
-            Rate::Local(b) => b.is_full(now),
-            // A shared bucket's state is in Redis; its lease is kept by pinning while in use.
-            Rate::Shared(s) => s.leased() <= 0,
-        }
-    }
 }
 
 /// A concurrency limit with a bounded FIFO queue.
@@ -315,12 +311,13 @@ impl Concurrency {
         &self,
         scope: impl Fn() -> Scope,
         timeout: Duration,
-    ) -> Result<OwnedSemaphorePermit, Rejection> {
+    ) -> Result<(OwnedSemaphorePermit, Duration), Rejection> {
         // Tokio's semaphore is fair: a free permit exists only when nobody is queued, so
         // this fast path cannot jump the queue.
         if let Ok(permit) = self.slots.clone().try_acquire_owned() {
-            return Ok(permit);
+            return Ok((permit, Duration::ZERO));
         }
+        let started = Instant::now();
         let queued = self.waiting.fetch_add(1, Ordering::AcqRel);
         let _waiting = Waiting(&self.waiting);
         let retry_after = timeout.max(Duration::from_secs(1));
@@ -333,7 +330,7 @@ impl Concurrency {
             });
         }
         match tokio::time::timeout(timeout, self.slots.clone().acquire_owned()).await {
-            Ok(Ok(permit)) => Ok(permit),
+            Ok(Ok(permit)) => Ok((permit, started.elapsed())),
             // The semaphore is never closed; treat it like a timeout all the same.
             Ok(Err(_)) | Err(_) => Err(Rejection::QueueTimeout {
                 scope: scope(),
@@ -357,17 +354,6 @@ struct LimitSet {
     concurrency: Option<Concurrency>,
 }
 
-impl LimitSet {
-    fn is_idle(&self, now: Instant) -> bool {
-        self.requests.as_ref().is_none_or(|r| r.is_idle(now))
-            && self.tokens.as_ref().is_none_or(|r| r.is_idle(now))
-            && self
-                .concurrency
-                .as_ref()
-                .is_none_or(|c| c.in_use() == 0 && c.waiting.load(Ordering::Acquire) == 0)
-    }
-}
-
 /// Numbers of one scope, from the API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Numbers {
@@ -376,7 +362,7 @@ struct Numbers {
     concurrent: Option<u32>,
 }
 
-/// Keeps tenants that are in use or not yet refilled out of eviction.
+/// Keeps tenants with requests in flight (or waiting) out of eviction.
 #[derive(Debug, Clone, Copy, Default)]
 struct PinBusy;
 
@@ -384,8 +370,9 @@ impl Lifecycle<String, Arc<LimitSet>> for PinBusy {
     type RequestState = ();
 
     fn is_pinned(&self, _key: &String, val: &Arc<LimitSet>) -> bool {
-        // Guards hold clones: more than the table's own reference means requests in flight.
-        Arc::strong_count(val) > 1 || !val.is_idle(Instant::now())
+        // Guards and waiting admissions hold clones: more than the table's own reference
+        // means the tenant is busy.
+        Arc::strong_count(val) > 1
     }
 }
 
@@ -531,6 +518,15 @@ impl RouteLimiter {
         self.tenants.as_ref().map_or(0, Cache::len)
     }
 
+    /// Requests of the route holding a concurrency slot, and waiting for one (0 without
+    /// `maxConcurrent`), for gauges.
+    pub fn concurrency(&self) -> (usize, usize) {
+        self.route_limits
+            .concurrency
+            .as_ref()
+            .map_or((0, 0), |c| (c.in_use(), c.waiting.load(Ordering::Acquire)))
+    }
+
     /// Failures of the shared backend, if the route uses one.
     pub fn backend_errors(&self) -> u64 {
         self.backend.as_ref().map_or(0, |(b, _)| b.backend_errors())
@@ -642,16 +638,16 @@ impl AdmissionGuard {
 /// What was taken so far, given back if a later check fails.
 #[derive(Default)]
 struct Taken<'a> {
-    requests: Vec<(&'a Rate, Source)>,
-    tokens: Vec<(&'a Rate, Source, u64)>,
+    requests: [Option<(&'a Rate, Source)>; 2],
+    tokens: [Option<(&'a Rate, Source, u64)>; 2],
 }
 
 impl Taken<'_> {
     fn undo(&self) {
-        for (rate, source) in &self.requests {
+        for (rate, source) in self.requests.iter().flatten() {
             rate.give_back(1, *source);
         }
-        for (rate, source, n) in &self.tokens {
+        for (rate, source, n) in self.tokens.iter().flatten() {
             rate.give_back(*n, *source);
         }
     }
@@ -684,11 +680,11 @@ pub async fn admit(
 ) -> Result<AdmissionGuard, Rejection> {
     let now = Instant::now();
     let tenant_set = tenant.and_then(|t| limiter.tenant_set(t));
-    let tenant_name: Arc<str> = tenant.unwrap_or("").into();
     let route_scope = || Scope::Route(limiter.route.clone());
+    // Built only for a rejection: the admitted path allocates nothing for names.
     let tenant_scope = || Scope::Tenant {
         route: limiter.route.clone(),
-        tenant: tenant_name.clone(),
+        tenant: tenant.unwrap_or("").into(),
     };
     let route_set = &limiter.route_limits;
     let mut taken = Taken::default();
@@ -698,12 +694,12 @@ pub async fn admit(
     let scopes: [(Option<&LimitSet>, bool); 2] =
         [(tenant_set.as_deref(), true), (Some(route_set), false)];
     let mut sources: [Option<Source>; 2] = [None, None];
-    for (set, is_tenant) in scopes {
+    for (i, (set, is_tenant)) in scopes.into_iter().enumerate() {
         let Some(rate) = set.and_then(|s| s.requests.as_ref()) else {
             continue;
         };
         match rate.take(1, now).await {
-            Ok(source) => taken.requests.push((rate, source)),
+            Ok(source) => taken.requests[i] = Some((rate, source)),
             Err(e) => {
                 taken.undo();
                 let scope = if is_tenant {
@@ -721,14 +717,14 @@ pub async fn admit(
             }
         }
     }
-    for (set, is_tenant) in scopes {
+    for (i, (set, is_tenant)) in scopes.into_iter().enumerate() {
         let Some(rate) = set.and_then(|s| s.tokens.as_ref()) else {
             continue;
         };
         match rate.take(estimate, now).await {
             Ok(source) => {
-                taken.tokens.push((rate, source, estimate));
-                sources[usize::from(!is_tenant)] = Some(source);
+                taken.tokens[i] = Some((rate, source, estimate));
+                sources[i] = Some(source);
             }
             Err(e) => {
                 taken.undo();
@@ -750,28 +746,29 @@ pub async fn admit(
 
     // Concurrency: the tenant's slot first, so a tenant at its own limit waits in its own
     // queue instead of holding one of the route's slots.
-    let started = Instant::now();
     let mut permits: [Option<OwnedSemaphorePermit>; 2] = [None, None];
+    let mut waited = Duration::ZERO;
     for (i, (set, is_tenant)) in scopes.into_iter().enumerate() {
         let Some(conc) = set.and_then(|s| s.concurrency.as_ref()) else {
             continue;
         };
-        let remaining = limiter.queue_timeout.saturating_sub(started.elapsed());
+        let remaining = limiter.queue_timeout.saturating_sub(waited);
         let acquired = if is_tenant {
             conc.acquire(tenant_scope, remaining).await
         } else {
             conc.acquire(route_scope, remaining).await
         };
         match acquired {
-            Ok(p) => permits[i] = Some(p),
+            Ok((p, w)) => {
+                permits[i] = Some(p);
+                waited += w;
+            }
             Err(rejection) => {
                 taken.undo();
                 return Err(rejection);
             }
         }
     }
-    let waited = started.elapsed();
-    drop(taken);
     Ok(AdmissionGuard {
         limiter: limiter.clone(),
         tenant: tenant_set,

@@ -497,3 +497,29 @@ fn errors_and_truncated_or_failed_streams_are_never_stored() {
         4
     );
 }
+
+#[test]
+fn caches_survive_reloads_when_unchanged() {
+    use tailwarden_sidecar::cache::Caches;
+    let caches = Caches::default();
+    let mut spec: tailwarden_crds::ExactCache =
+        serde_json::from_value(json!({"enabled": true})).unwrap();
+    let a = caches
+        .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap();
+    let k = key(&a, BASE);
+    assert!(store(&a, &k, b"{}"));
+    let again = caches
+        .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap();
+    assert!(Arc::ptr_eq(&a, &again));
+    assert!(again.get(&k).is_some(), "a reload keeps the entries");
+    spec.ttl = "1m".parse().unwrap();
+    let changed = caches
+        .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap();
+    assert!(!Arc::ptr_eq(&a, &changed));
+    spec.enabled = false;
+    assert!(caches.for_route("shop/chat", &spec, None).is_none());
+    caches.retain(&[]);
+}
