@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e operator-scale sdk sdk-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test
+.PHONY: all build test unit e2e operator-scale sdk sdk-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test
 
 all: build
 
@@ -14,7 +14,7 @@ build:
 ## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk observability-test
 
-unit: tools sdk-deps
+unit: tools sdk-deps system-deps
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  TAILWARDEN_HELM=$$(e2e/controlplane/build.sh | tail -n 1)/helm \
 	  $(CARGO) test --workspace --no-fail-fast
@@ -29,6 +29,13 @@ e2e: tools sdk-deps
 operator-scale: tools
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  $(CARGO) test --release -p tailwarden-operator --test scale -- --ignored --nocapture
+
+## system-deps: Debian packages tests start as real servers (redis-server for the shared rate
+## limits), installed when missing.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian) for the shared rate-limit tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 ## tools: helm and the local Kubernetes control plane, built once from the Go module proxy.
 tools:
