@@ -33,7 +33,7 @@ use crate::{
     reload::ConfigStatus,
     request::RequestBody,
     retry::{self, FailureKind},
-    routes::{Route, RouteTable, Upstream, choose_tier},
+    routes::{Route, RouteTable, Upstream},
     sse::{SseEvent, SseForwarder},
     telemetry::{self, KeyValue},
     upstream::PoolCache,
@@ -248,11 +248,7 @@ async fn respond(
     arrived: Instant,
     span: &Span,
 ) -> Response<ProxyBody> {
-    let tier = if route.tiers.is_empty() {
-        None
-    } else {
-        choose_tier(&route.tiers, &body.prompt_stats())
-    };
+    let tier = route.tier_set.choose_for(body, headers);
     let model = tier.map_or(body.model.as_ref(), |t| t.model.as_str());
     let request_id = app.request_id(headers);
     let stream = body.stream && suffix != "/embeddings";
@@ -282,7 +278,7 @@ async fn respond(
         model: body.model.to_string(),
         provider: upstream.map_or_else(|| Arc::from(""), |u| u.name.clone()),
         provider_model: upstream.map_or_else(String::new, |u| u.provider_model(model).to_owned()),
-        tier: tier.map(|t| Arc::from(t.name.as_str())),
+        tier: tier.map(|t| t.name.clone()),
         stream,
         status,
         attempts,

@@ -576,3 +576,47 @@ async fn h2c_clients_and_hostname_upstreams_work() {
     }
     assert_eq!(up.count(), 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_tiers_pick_the_model_by_regex_keywords_and_headers() {
+    let up = upstream(|_, _| ok("x")).await;
+    let yaml = format!(
+        "apiVersion: tailwarden.io/v1alpha1\nkind: InferenceRoute\nmetadata: {{name: t}}\nspec:\n  models: [big, small, batch]\n  providers: [{{name: p, baseUrl: '{}'}}]\n  tiers:\n  - name: greeting\n    model: small\n    when: {{regex: '^(?i)(hi|hello)\\b', maxPromptChars: 100, noneOfKeywords: [analyse]}}\n  - name: offline\n    model: batch\n    when: {{headers: {{x-priority: low}}}}\n",
+        up.base_url()
+    );
+    let sc = sidecar(&yaml).await;
+    let ask = |text: &str| {
+        format!(r#"{{"model":"big","messages":[{{"role":"user","content":"{text}"}}]}}"#)
+    };
+    let r = post(&sc, "/v1/chat/completions", &ask("Hello, how are you?")).await;
+    assert_eq!(r.header("x-tailwarden-tier"), "greeting");
+    let r2 = post(
+        &sc,
+        "/v1/chat/completions",
+        &ask("hello, analyse this contract"),
+    )
+    .await;
+    assert_eq!(
+        r2.header("x-tailwarden-tier"),
+        "",
+        "a none-of keyword keeps the requested model"
+    );
+    let req = http::Request::post(sc.url("/v1/chat/completions"))
+        .header("x-priority", "low")
+        .body(http_body_util::Full::new(bytes::Bytes::from(ask(
+            "Summarise the report",
+        ))))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    assert_eq!(resp.headers()["x-tailwarden-tier"], "offline");
+    let seen: Vec<String> = up
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.body.clone())
+        .collect();
+    assert!(seen[0].contains(r#""model":"small""#), "{}", seen[0]);
+    assert!(seen[1].contains(r#""model":"big""#), "{}", seen[1]);
+    assert!(seen[2].contains(r#""model":"batch""#), "{}", seen[2]);
+}
