@@ -153,6 +153,18 @@ fn rendered_rules() -> String {
         .replace("ERROR_BUDGET", &format!("{budget}"))
 }
 
+/// The helm e2e/controlplane/build.sh builds, if it has: `$TAILWARDEN_HELM` or under .cache.
+fn helm() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TAILWARDEN_HELM") {
+        return Some(p.into());
+    }
+    std::fs::read_dir(root().join(".cache/controlplane"))
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path().join("bin/helm"))
+        .find(|p| p.is_file())
+}
+
 /// Names after `- alert:` / `- record:` in a rules file.
 fn rule_names(rules: &str, kind: &str) -> Vec<String> {
     rules
@@ -184,6 +196,23 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
     let tests = std::fs::read_to_string(here().join("rules_test.yaml")).unwrap();
     std::fs::write(dir.join("rules_test.yaml"), &tests).unwrap();
     let promtool = tool("promtool");
+
+    // The same rules as the chart's PrometheusRule, when the real helm is at hand.
+    if let Some(helm) = helm() {
+        let out = run(Command::new(helm)
+            .args(["template", "tw", "charts/tailwarden", "--show-only"])
+            .args(["templates/monitoring.yaml", "--set"])
+            .arg("monitoring.prometheusRule.enabled=true")
+            .current_dir(root()));
+        let rule = serde_norway::Deserializer::from_str(&out)
+            .map(|doc| <Value as serde::Deserialize>::deserialize(doc).unwrap())
+            .find(|doc| doc["kind"] == "PrometheusRule")
+            .expect("a PrometheusRule");
+        let ours: Value = serde_norway::from_str(&rules).unwrap();
+        assert_eq!(rule["spec"], ours, "the chart renders other rules");
+    } else {
+        eprintln!("helm not built (e2e/controlplane/build.sh): not comparing with the chart");
+    }
 
     let out = run(Command::new(&promtool)
         .args(["check", "rules", "tailwarden.rules.rendered.yaml"])

@@ -95,6 +95,8 @@ fn hex(b: &[u8]) -> String {
 }
 
 struct Harness {
+    /// The receiver's address.
+    addr: SocketAddr,
     spans: Arc<Mutex<Vec<RSpan>>>,
     /// Content types of the export requests, to show they are OTLP protobuf.
     content_types: Arc<Mutex<Vec<String>>>,
@@ -145,6 +147,7 @@ fn harness() -> &'static Harness {
             .unwrap();
         assert!(telemetry::enabled());
         Harness {
+            addr,
             spans,
             content_types,
             telemetry,
@@ -629,4 +632,125 @@ async fn failures_carry_error_type_and_error_status() {
     assert_eq!(server.attr("http.response.status_code"), 400);
     assert_eq!(server.attr("error.type"), "invalid_request_error");
     assert_eq!(server.parent, CLIENT_PARENT);
+}
+
+/// Starts the real binary with extra environment; returns it and its client address.
+fn start_binary(config: &std::path::Path, env: &[(&str, String)]) -> (std::process::Child, String) {
+    use std::io::BufRead as _;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tailwarden-sidecar"));
+    cmd.arg("--config")
+        .arg(config)
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .env("TAILWARDEN_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    for var in [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_SERVICE_NAME",
+        "OTEL_SDK_DISABLED",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_TRACES_SAMPLER",
+    ] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let listen = line.split_whitespace().nth(2).unwrap().to_owned();
+    (child, listen)
+}
+
+async fn send_to(listen: &str, tp: &str) -> u16 {
+    let req = Request::post(format!("http://{listen}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("traceparent", tp)
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        )))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    resp.into_body().collect().await.unwrap();
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_reads_the_otel_environment_and_flushes_its_spans_on_sigterm() {
+    let h = harness();
+    let up = upstream(|_, _| ok("x")).await;
+    let dir = TempDir::new();
+    let config = dir.0.join("routes.yaml");
+    std::fs::write(&config, route(&[("p", &up.base_url(), 100, 0)], "")).unwrap();
+    // The generic endpoint (the exporter appends /v1/traces), a service name, and batches
+    // that would wait a minute: only the shutdown flush can deliver the spans in time.
+    let (mut child, listen) = start_binary(
+        &config,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{}", h.addr)),
+            ("OTEL_SERVICE_NAME", "checkout-sidecar".to_owned()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "60000".to_owned()),
+        ],
+    );
+    let (trace_id, tp) = client_trace();
+    assert_eq!(send_to(&listen, &tp).await, 200);
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let exited = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(exited.success(), "{exited:?}");
+    let spans = trace(&trace_id, |s| s.len() >= 2).await;
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    assert!(spans.iter().all(|s| s.service == "checkout-sidecar"));
+    let server = one(&spans, SERVER);
+    assert_eq!(server.parent, CLIENT_PARENT);
+    assert_eq!(
+        seen_traceparent(&up, 0),
+        format!("00-{trace_id}-{}-01", one(&spans, CLIENT).span_id)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_endpoint_the_binary_traces_nothing_and_forwards_the_traceparent() {
+    let h = harness();
+    let up = upstream(|_, _| ok("x")).await;
+    let dir = TempDir::new();
+    let config = dir.0.join("routes.yaml");
+    std::fs::write(&config, route(&[("p", &up.base_url(), 100, 0)], "")).unwrap();
+    // A service name alone does not turn tracing on; an endpoint with the SDK disabled
+    // neither.
+    for env in [
+        vec![("OTEL_SERVICE_NAME", "nothing".to_owned())],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{}", h.addr)),
+            ("OTEL_SDK_DISABLED", "true".to_owned()),
+        ],
+    ] {
+        let (mut child, listen) = start_binary(&config, &env);
+        let (trace_id, tp) = client_trace();
+        let before = up.count();
+        assert_eq!(send_to(&listen, &tp).await, 200);
+        assert_eq!(seen_traceparent(&up, before), tp, "forwarded unchanged");
+        // SIGTERM: a traced binary would flush its spans now.
+        std::process::Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        tokio::time::sleep(MS(200)).await;
+        assert!(trace(&trace_id, |_| true).await.is_empty());
+    }
 }
