@@ -105,7 +105,17 @@ async fn sigterm_drains_in_flight_streams() {
     assert!(term_at.elapsed() < Duration::from_secs(5));
 }
 
-fn spawn_sidecar(args: &[&str]) -> (std::process::Child, String, String, Option<String>) {
+/// Kills the child when dropped, so a failing assertion leaves no sidecar running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_sidecar(args: &[&str]) -> (KillOnDrop, String, String, Option<String>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tailwarden-sidecar"))
         .args(args)
         .stdout(Stdio::piped())
@@ -118,7 +128,7 @@ fn spawn_sidecar(args: &[&str]) -> (std::process::Child, String, String, Option<
         .unwrap();
     let words: Vec<&str> = line.split_whitespace().collect();
     (
-        child,
+        KillOnDrop(child),
         words[2].to_owned(),
         words[4].to_owned(),
         words.get(6).map(|s| (*s).to_owned()),
@@ -160,7 +170,7 @@ async fn starts_unready_on_an_empty_route_directory_and_picks_routes_up() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let (mut child, listen, admin, _) = spawn_sidecar(&[
+    let (_child, listen, admin, _) = spawn_sidecar(&[
         "--config",
         routes.to_str().unwrap(),
         "--listen",
@@ -202,8 +212,6 @@ async fn starts_unready_on_an_empty_route_directory_and_picks_routes_up() {
         .unwrap();
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
