@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
@@ -103,7 +103,7 @@ pub struct BenchmarkOptions {
 }
 
 /// A fixed-rate run, or why it was skipped.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RateRun {
     /// Offered rate.
     pub rate: f64,
@@ -114,7 +114,7 @@ pub struct RateRun {
 }
 
 /// Everything measured for one target.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TargetResult {
     /// Which target.
     pub kind: TargetKind,
@@ -170,7 +170,7 @@ impl TargetResult {
 }
 
 /// One tail-cut profile.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TailCut {
     /// Simulator profile of the primary.
     pub profile: String,
@@ -181,7 +181,7 @@ pub struct TailCut {
 }
 
 /// The whole result.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchmarkResult {
     /// Machine description.
     pub machine: String,

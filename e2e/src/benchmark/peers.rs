@@ -27,7 +27,9 @@ pub const MODEL_INSTANT: &str = "gpt-4.1-mini";
 pub const MODEL_PACED: &str = "paced";
 
 /// Something the benchmark sends load to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TargetKind {
     /// Straight at the simulator: the baseline every "added" number subtracts.

@@ -193,6 +193,29 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
         res.warmup_s, res.duration_s, res.timeout_s
     );
 
+    // A busy machine makes millisecond-level P99 differences meaningless; say so up front.
+    let cpus = res
+        .machine
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse::<f64>().ok())
+        .unwrap_or(1.0);
+    let busiest = [res.load_average.0, res.load_average.1]
+        .into_iter()
+        .flatten()
+        .fold(0.0_f64, f64::max);
+    if busiest > cpus * 0.5 {
+        let _ = writeln!(
+            out,
+            "**The machine was busy during this run** (1-minute load average up to {busiest:.2} on {cpus:.0} CPUs: other processes competed for the CPUs), so P99 differences of a few milliseconds between targets are not meaningful here; the large differences are. Re-run `make bench` on a quiet machine for the small ones.\n"
+        );
+    }
+    let noise = res
+        .rates
+        .iter()
+        .map(|&r| noise99(res, r))
+        .fold(0.0_f64, f64::max);
+
     let _ = writeln!(out, "## Goals\n");
     for l in targets_summary(res) {
         let _ = writeln!(out, "- {l}");
@@ -407,7 +430,7 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
         "- One target runs at a time; its process is started before its runs and stopped after them. Each fixed-rate run has its own warm-up. A target that could not keep up at a rate (≥ 20 % errors or < 80 % of the offered throughput) is not run at the higher rates.\n\
          - Open-loop runs cap in-flight requests at a safety limit; a request that had to wait for a slot still counts from its scheduled start, so an overloaded proxy shows up in P99 rather than vanishing.\n\
          - Every proxy runs its plain production setup for this machine's core count (see *What ran*); none is tuned beyond that. Peers are installed pinned by `e2e/bench/install-peers.sh` into `.cache/peers/`.\n\
-         - Latency differences below ~0.05 ms are within run-to-run noise on a shared 2-core machine; ratios of two such small numbers are shown but mean little."
+         - Noise: the two direct runs' non-streaming P99 differ by up to {noise:.3} ms in this run; differences between targets smaller than that are run-to-run noise, and ratios of such small numbers mean little."
     );
     out
 }

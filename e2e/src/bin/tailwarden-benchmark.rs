@@ -82,6 +82,10 @@ struct Args {
     /// No progress on stderr.
     #[arg(long)]
     quiet: bool,
+    /// Do not measure: re-render the Markdown from a JSON result of an earlier run
+    /// (e.g. bench-out/benchmark.json) and write it to --out.
+    #[arg(long, value_name = "JSON")]
+    render_from: Option<PathBuf>,
 }
 
 fn usage(msg: impl std::fmt::Display) -> ExitCode {
@@ -91,6 +95,15 @@ fn usage(msg: impl std::fmt::Display) -> ExitCode {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(json) = &args.render_from {
+        return match render_from(json, &args.out) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tailwarden-benchmark: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let mut targets = Vec::new();
     for t in &args.targets {
         match TargetKind::parse(t) {
@@ -151,6 +164,22 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--render-from`: the page of an earlier run, regenerated without measuring anything.
+fn render_from(json: &PathBuf, out: &str) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("cannot read {}", json.display()))?;
+    let result: benchmark::BenchmarkResult = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a tailwarden-benchmark result", json.display()))?;
+    let md = benchmark::render_markdown(&result);
+    if out == "-" {
+        print!("{md}");
+    } else {
+        std::fs::write(out, &md).with_context(|| format!("cannot write {out}"))?;
+        eprintln!("tailwarden-benchmark: wrote {out} from {}", json.display());
+    }
+    Ok(())
 }
 
 /// The command line, for the page header.

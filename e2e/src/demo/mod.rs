@@ -24,7 +24,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
@@ -146,7 +146,7 @@ pub struct DemoOptions {
 }
 
 /// One phase's numbers.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Phase {
     /// What the client measured.
     pub report: Report,
@@ -168,7 +168,7 @@ impl Phase {
 }
 
 /// Counters scraped from the sidecar's `/metrics` at the end of phase (b).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SidecarCounters {
     /// `tailwarden_retries_total` (every reason, budget refusals excluded).
     pub retries: Option<f64>,
@@ -181,7 +181,7 @@ pub struct SidecarCounters {
 }
 
 /// The demo's result.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DemoOutcome {
     /// Phase (a), straight at the primary.
     pub direct: Option<Phase>,
