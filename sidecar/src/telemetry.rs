@@ -36,7 +36,7 @@ use http_body_util::{BodyExt, Full, Limited};
 pub use opentelemetry::KeyValue;
 use opentelemetry::{
     propagation::TextMapPropagator,
-    trace::{Status, TracerProvider as _},
+    trace::{Status, TraceContextExt as _, TracerProvider as _},
 };
 use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError};
 use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
@@ -398,33 +398,45 @@ pub struct Finish<'a> {
     pub failed: bool,
 }
 
-fn usage_attributes(span: &Span, f: &Finish<'_>) {
+/// Sets many attributes (and the status) with one trip through the subscriber.
+fn set_all(span: &Span, attributes: Vec<KeyValue>, error: Option<&str>) {
+    let cx = span.context();
+    let otel = cx.span();
+    otel.set_attributes(attributes);
+    if let Some(e) = error {
+        otel.set_status(Status::error(e.to_owned()));
+    }
+}
+
+fn outcome_attributes(f: &Finish<'_>, out: &mut Vec<KeyValue>) {
     if let Some(model) = f.response_model.filter(|m| !m.is_empty()) {
-        span.set_attribute("gen_ai.response.model", model.to_owned());
+        out.push(KeyValue::new("gen_ai.response.model", model.to_owned()));
     }
     if let Some(u) = f.usage {
-        span.set_attribute("gen_ai.usage.input_tokens", u.input as i64);
-        span.set_attribute("gen_ai.usage.output_tokens", u.output as i64);
+        out.push(KeyValue::new("gen_ai.usage.input_tokens", u.input as i64));
+        out.push(KeyValue::new("gen_ai.usage.output_tokens", u.output as i64));
         if u.cached_input > 0 {
-            span.set_attribute(
+            out.push(KeyValue::new(
                 "gen_ai.usage.cache_read.input_tokens",
                 u.cached_input as i64,
-            );
+            ));
         }
         if u.reasoning > 0 {
-            span.set_attribute("gen_ai.usage.reasoning.output_tokens", u.reasoning as i64);
+            out.push(KeyValue::new(
+                "gen_ai.usage.reasoning.output_tokens",
+                u.reasoning as i64,
+            ));
         }
         if u.estimated {
-            span.set_attribute("tailwarden.usage_estimated", true);
+            out.push(KeyValue::new("tailwarden.usage_estimated", true));
         }
     }
-    span.set_attribute("http.response.status_code", i64::from(f.status));
+    out.push(KeyValue::new(
+        "http.response.status_code",
+        i64::from(f.status),
+    ));
     if let Some(e) = f.error_type {
-        if f.failed {
-            fail(span, e);
-        } else {
-            span.set_attribute("error.type", e.to_owned());
-        }
+        out.push(KeyValue::new("error.type", e.to_owned()));
     }
 }
 
@@ -434,18 +446,26 @@ pub fn finish(server: &Span, attempt: &Span, f: &Finish<'_>) {
     if server.is_none() {
         return;
     }
+    let error = f.error_type.filter(|_| f.failed);
     if !attempt.is_none() {
-        usage_attributes(attempt, f);
+        let mut attributes = Vec::with_capacity(8);
+        outcome_attributes(f, &mut attributes);
+        set_all(attempt, attributes, error);
     }
+    let mut attributes = Vec::with_capacity(12);
     if !f.provider.is_empty() {
-        server.set_attribute("gen_ai.provider.name", f.provider.to_owned());
+        attributes.push(KeyValue::new("gen_ai.provider.name", f.provider.to_owned()));
     }
     if let Some(ttft) = f.ttft {
-        server.set_attribute("gen_ai.response.time_to_first_chunk", ttft.as_secs_f64());
+        attributes.push(KeyValue::new(
+            "gen_ai.response.time_to_first_chunk",
+            ttft.as_secs_f64(),
+        ));
     }
-    server.set_attribute("tailwarden.attempts", i64::from(f.attempts));
-    server.set_attribute("tailwarden.hedged", f.hedged);
-    usage_attributes(server, f);
+    attributes.push(KeyValue::new("tailwarden.attempts", i64::from(f.attempts)));
+    attributes.push(KeyValue::new("tailwarden.hedged", f.hedged));
+    outcome_attributes(f, &mut attributes);
+    set_all(server, attributes, error);
 }
 
 /// The `model` of a non-stream response body, for `gen_ai.response.model`.

@@ -754,3 +754,52 @@ async fn without_an_endpoint_the_binary_traces_nothing_and_forwards_the_tracepar
         assert!(trace(&trace_id, |_| true).await.is_empty());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_collector_is_logged_and_requests_are_unaffected() {
+    let up = upstream(|_, _| ok("x")).await;
+    let dir = TempDir::new();
+    let config = dir.0.join("routes.yaml");
+    std::fs::write(&config, route(&[("p", &up.base_url(), 100, 0)], "")).unwrap();
+    let log = dir.0.join("stderr.log");
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tailwarden-sidecar"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .env(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            format!("http://{closed}/v1/traces"),
+        )
+        .env("OTEL_BSP_SCHEDULE_DELAY", "50")
+        .env("OTEL_EXPORTER_OTLP_TIMEOUT", "500")
+        .env_remove("OTEL_SDK_DISABLED")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let listen = line.split_whitespace().nth(2).unwrap().to_owned();
+    for _ in 0..3 {
+        let (_, tp) = client_trace();
+        assert_eq!(send_to(&listen, &tp).await, 200);
+    }
+    let logged = wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("BatchSpanProcessor.ExportError"))
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(logged, "{text}");
+    assert!(text.contains("OpenTelemetry tracing on"), "{text}");
+}
