@@ -78,6 +78,61 @@ pub fn load_average() -> Option<f64> {
         .ok()
 }
 
+/// CPU-time counters of the whole machine and of this process (children it has reaped
+/// included), to tell how much of the machine *other* processes used during a measurement.
+/// A load average cannot: it counts the measurement's own load too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// All CPU time of the machine (clock ticks, every state).
+    total: u64,
+    /// Non-idle CPU time of the machine.
+    busy: u64,
+    /// utime + stime + cutime + cstime of this process.
+    ours: u64,
+}
+
+impl CpuTimes {
+    /// Reads `/proc/stat` and `/proc/self/stat`.
+    pub fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let me = std::fs::read_to_string("/proc/self/stat").ok()?;
+        Self::parse(&stat, &me)
+    }
+
+    fn parse(stat: &str, me: &str) -> Option<Self> {
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .strip_prefix("cpu ")?
+            .split_whitespace()
+            .take(8)
+            .map(|v| v.parse().ok())
+            .collect::<Option<_>>()?;
+        let total: u64 = cpu.iter().sum();
+        // idle and iowait are the 4th and 5th fields.
+        let busy = total - cpu.get(3)? - cpu.get(4).copied().unwrap_or(0);
+        let rest = &me[me.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ours = (11..=14)
+            .map(|i| f.get(i).and_then(|v| v.parse::<u64>().ok()))
+            .sum::<Option<u64>>()?;
+        Some(Self { total, busy, ours })
+    }
+
+    /// Percentage of the machine's CPU time used by processes other than this one and its
+    /// reaped children between `earlier` and `self`. Children still running are not counted
+    /// as ours until reaped, so take `self` after stopping them.
+    pub fn others_percent_since(&self, earlier: &Self) -> Option<f64> {
+        let total = self.total.checked_sub(earlier.total)?;
+        if total == 0 {
+            return None;
+        }
+        let busy = self.busy.saturating_sub(earlier.busy);
+        let ours = self.ours.saturating_sub(earlier.ours);
+        Some(busy.saturating_sub(ours) as f64 * 100.0 / total as f64)
+    }
+}
+
 /// The current UTC time as `YYYY-MM-DD HH:MM UTC`.
 pub fn utc_now() -> String {
     let secs = SystemTime::now()
@@ -129,6 +184,24 @@ mod tests {
         assert_eq!(format_utc(951_827_696), "2000-02-29 12:34 UTC");
         // 2024-12-31 23:59 UTC
         assert_eq!(format_utc(1_735_689_540), "2024-12-31 23:59 UTC");
+    }
+
+    #[test]
+    fn others_share_subtracts_our_own_time() {
+        let a = CpuTimes::parse(
+            "cpu  100 0 100 800 0 0 0 0 0 0\ncpu0 1 2 3\n",
+            "42 (x) S 1 42 42 0 -1 0 0 0 0 0 10 10 0 0 20 0",
+        )
+        .expect("parsed");
+        // 1000 more ticks in total, 600 of them busy, 200 of those ours.
+        let b = CpuTimes::parse(
+            "cpu  400 0 300 1400 0 0 0 0 0 0\n",
+            "42 (x) S 1 42 42 0 -1 0 0 0 0 0 110 60 30 30 20 0",
+        )
+        .expect("parsed");
+        let p = b.others_percent_since(&a).expect("share");
+        assert!((p - 30.0).abs() < 1e-9, "{p}");
+        assert!(CpuTimes::parse("garbage", "x").is_none());
     }
 
     #[test]

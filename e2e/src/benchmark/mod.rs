@@ -211,6 +211,10 @@ pub struct BenchmarkResult {
     pub wall_s: f64,
     /// 1-minute load average when the run started and when it ended.
     pub load_average: (Option<f64>, Option<f64>),
+    /// Share of the machine's CPU time that processes outside the benchmark used during the
+    /// run, percent (`None` when unknown, e.g. results of older versions).
+    #[serde(default)]
+    pub others_cpu_percent: Option<f64>,
 }
 
 impl BenchmarkResult {
@@ -314,6 +318,7 @@ pub fn run(
 ) -> Result<BenchmarkResult, BenchmarkError> {
     let started = std::time::Instant::now();
     let load_before = crate::machine::load_average();
+    let cpu_before = crate::machine::CpuTimes::now();
     std::fs::create_dir_all(&opts.workdir).map_err(|source| BenchmarkError::Io {
         path: opts.workdir.display().to_string(),
         source,
@@ -333,8 +338,8 @@ pub fn run(
         path: paced_path.display().to_string(),
         source,
     })?;
-    let (_instant_sim, instant) = start_sim(opts, "sim-instant", "instant")?;
-    let (_paced_sim, paced) = start_sim(opts, "sim-paced", &paced_path.display().to_string())?;
+    let (instant_sim, instant) = start_sim(opts, "sim-instant", "instant")?;
+    let (paced_sim, paced) = start_sim(opts, "sim-paced", &paced_path.display().to_string())?;
     say(
         opts,
         &format!("upstream simulators: instant {instant}, paced {paced}"),
@@ -410,7 +415,15 @@ pub fn run(
         }
     }
 
+    // Stop (and reap) the simulators first, so their CPU time counts as ours.
+    drop(instant_sim);
+    drop(paced_sim);
+    let others_cpu_percent = match (cpu_before, crate::machine::CpuTimes::now()) {
+        (Some(a), Some(b)) => b.others_percent_since(&a),
+        _ => None,
+    };
     Ok(BenchmarkResult {
+        others_cpu_percent,
         machine: machine.summary(),
         command: command.to_owned(),
         rates: opts.rates.clone(),

@@ -194,21 +194,35 @@ pub fn render_markdown(res: &BenchmarkResult) -> String {
     );
 
     // A busy machine makes millisecond-level P99 differences meaningless; say so up front.
+    // The CPU share of other processes is the measure; results without it fall back to the
+    // load average at the start (which includes whatever ran just before, e.g. the build).
     let cpus = res
         .machine
         .split_whitespace()
         .next()
         .and_then(|n| n.parse::<f64>().ok())
         .unwrap_or(1.0);
-    let busiest = [res.load_average.0, res.load_average.1]
-        .into_iter()
-        .flatten()
-        .fold(0.0_f64, f64::max);
-    if busiest > cpus * 0.5 {
-        let _ = writeln!(
-            out,
-            "**The machine was busy during this run** (1-minute load average up to {busiest:.2} on {cpus:.0} CPUs: other processes competed for the CPUs), so P99 differences of a few milliseconds between targets are not meaningful here; the large differences are. Re-run `make bench` on a quiet machine for the small ones.\n"
-        );
+    match res.others_cpu_percent {
+        Some(p) => {
+            let _ = writeln!(
+                out,
+                "- other processes on the machine used {p:.1} % of its CPU time during the run\n"
+            );
+            if p > 10.0 {
+                let _ = writeln!(
+                    out,
+                    "**The machine was busy during this run**: other processes used {p:.1} % of its CPU time, so P99 differences of a few milliseconds between targets are not meaningful here; the large differences are. Re-run `make bench` on a quiet machine for the small ones.\n"
+                );
+            }
+        }
+        None => {
+            if let Some(la) = res.load_average.0.filter(|la| *la > cpus * 0.5) {
+                let _ = writeln!(
+                    out,
+                    "**The machine was busy when this run started** (1-minute load average {la:.2} on {cpus:.0} CPUs, which includes the release build `make bench` runs just before and any other work on the machine), so P99 differences of a few milliseconds between targets are not meaningful here; the large differences are. Re-run `make bench` on a quiet machine for the small ones.\n"
+                );
+            }
+        }
     }
     let noise = res
         .rates
