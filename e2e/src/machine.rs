@@ -195,8 +195,8 @@ mod tests {
         .expect("parsed");
         // 1000 more ticks in total, 600 of them busy, 200 of those ours.
         let b = CpuTimes::parse(
-            "cpu  400 0 300 1400 0 0 0 0 0 0\n",
-            "42 (x) S 1 42 42 0 -1 0 0 0 0 0 110 60 30 30 20 0",
+            "cpu  400 0 300 1300 0 0 0 0 0 0\n",
+            "42 (x) S 1 42 42 0 -1 0 0 0 0 0 110 50 30 30 20 0",
         )
         .expect("parsed");
         let p = b.others_percent_since(&a).expect("share");
