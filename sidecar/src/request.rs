@@ -193,75 +193,6 @@ impl<'a> RequestBody<'a> {
         out.push(b'}');
         Some(out)
     }
-
-    /// Characters of prompt text and the number of messages, for content-based tiers.
-    /// Parses `messages` (or `prompt`) only when a route has tiers.
-    pub fn prompt_stats(&self) -> PromptStats {
-        let mut stats = PromptStats::default();
-        if let Some(raw) = self.member("messages") {
-            if let Ok(messages) = serde_json::from_str::<Vec<Message<'_>>>(raw.get()) {
-                stats.messages = messages.len() as u64;
-                for m in messages {
-                    match m.content {
-                        Some(Content::Text(t)) => stats.push_text(&t),
-                        Some(Content::Parts(parts)) => {
-                            for p in parts {
-                                if let Some(t) = p.text {
-                                    stats.push_text(&t);
-                                }
-                            }
-                        }
-                        None => {}
-                    }
-                }
-            }
-        } else if let Some(raw) = self.member("prompt")
-            && let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw.get())
-        {
-            stats.messages = 1;
-            stats.push_text(&text);
-        }
-        stats
-    }
-}
-
-/// What content-based tiers look at.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PromptStats {
-    pub chars: u64,
-    pub messages: u64,
-    /// All prompt text, lowercased, for keyword rules.
-    pub text_lower: String,
-}
-
-impl PromptStats {
-    fn push_text(&mut self, text: &str) {
-        self.chars += text.chars().count() as u64;
-        if !self.text_lower.is_empty() {
-            self.text_lower.push('\n');
-        }
-        self.text_lower.push_str(&text.to_lowercase());
-    }
-}
-
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    content: Option<Content<'a>>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content<'a> {
-    #[serde(borrow)]
-    Text(Cow<'a, str>),
-    Parts(Vec<Part<'a>>),
-}
-
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
 }
 
 #[cfg(test)]
@@ -361,15 +292,5 @@ mod tests {
                 e.message
             );
         }
-    }
-
-    #[test]
-    fn prompt_stats_count_text_parts() {
-        let body = r#"{"model":"m","messages":[{"role":"system","content":"Be brief"},{"role":"user","content":[{"type":"text","text":"Analyse THIS"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
-        let r = RequestBody::parse(body.as_bytes()).unwrap();
-        let s = r.prompt_stats();
-        assert_eq!(s.messages, 2);
-        assert_eq!(s.chars, 8 + 12);
-        assert!(s.text_lower.contains("analyse this"));
     }
 }

@@ -474,14 +474,3 @@ fn compile_upstream(
     }
     Ok(upstream)
 }
-
-/// The first tier whose length, message-count and keyword conditions all hold, if any.
-///
-/// Kept for callers that only have [`PromptStats`](crate::request::PromptStats); tiers with
-/// `regex` or `headers` conditions need [`Route::tier_set`] ([`TierSet::choose_for`]), which
-/// has the compiled regexes and the request headers, and never match here.
-pub fn choose_tier<'a>(tiers: &'a [Tier], stats: &crate::request::PromptStats) -> Option<&'a Tier> {
-    tiers
-        .iter()
-        .find(|tier| crate::tiers::matches_stats(&tier.when, stats))
-}

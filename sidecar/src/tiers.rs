@@ -16,9 +16,9 @@ use std::{borrow::Cow, sync::Arc};
 use http::{HeaderMap, HeaderName};
 use regex::{Regex, RegexBuilder};
 use serde::Deserialize;
-use tailwarden_crds::{Tier, TierMatch};
+use tailwarden_crds::Tier;
 
-use crate::request::{PromptStats, RequestBody};
+use crate::request::RequestBody;
 
 /// Compiled-program size limit of a tier regex. The `regex` crate matches in linear time, so
 /// the only way a pattern hurts is its compiled size (`\w{500}{500}`); 1 MiB is far more
@@ -372,31 +372,6 @@ enum StringOrList<'a> {
     #[serde(borrow)]
     One(Cow<'a, str>),
     Many(Vec<Cow<'a, str>>),
-}
-
-/// The uncompiled path kept for `routes::choose_tier` (which sees only [`PromptStats`]):
-/// lengths, message counts and keywords (whole-word, like [`TierSet`]). A tier with `regex`
-/// or `headers` conditions never matches here — those need [`TierSet::choose`], which has
-/// the compiled regex and the request headers.
-pub fn matches_stats(when: &TierMatch, stats: &PromptStats) -> bool {
-    if when.regex.is_some() || !when.headers.is_empty() {
-        return false;
-    }
-    let any: Vec<Keyword> = when
-        .any_of_keywords
-        .iter()
-        .filter_map(|k| Keyword::new(k))
-        .collect();
-    let none: Vec<Keyword> = when
-        .none_of_keywords
-        .iter()
-        .filter_map(|k| Keyword::new(k))
-        .collect();
-    when.max_prompt_chars.is_none_or(|max| stats.chars <= max)
-        && when.min_prompt_chars.is_none_or(|min| stats.chars >= min)
-        && when.max_messages.is_none_or(|max| stats.messages <= max)
-        && when.min_messages.is_none_or(|min| stats.messages >= min)
-        && keywords_ok(&any, &none, &stats.text_lower)
 }
 
 #[cfg(test)]
