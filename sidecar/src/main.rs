@@ -5,8 +5,12 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, sync::atomic::Ordering, tim
 use anyhow::Context;
 use clap::Parser;
 use tailwarden_sidecar::{
-    admin, metrics::Metrics, proxy::App, reload, routes::RouteTable, server, telemetry,
-    upstream::PoolCache,
+    admin,
+    metrics::Metrics,
+    proxy::App,
+    reload,
+    routes::{Registries, RouteTable},
+    server, telemetry,
 };
 use tokio::sync::watch;
 
@@ -75,11 +79,11 @@ async fn main() -> anyhow::Result<()> {
     // Logs, and OpenTelemetry traces when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set.
     let telemetry = telemetry::init(&args.log_format);
 
-    let pools = PoolCache::default();
     let metrics = Arc::new(Metrics::new().context("registering metrics")?);
-    let app = match reload::load(&pools, &args.config) {
+    let registries = Registries::new(&metrics);
+    let app = match reload::load(&registries, &args.config) {
         Ok((table, hash)) => {
-            let app = Arc::new(App::new(table, metrics, pools));
+            let app = Arc::new(App::new(table, metrics, registries));
             reload::loaded(&app, &args.config, hash);
             app
         }
@@ -87,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
         // up when they arrive. A single file is a person at a terminal: say so and stop.
         Err(reason) if args.config.is_dir() => {
             tracing::error!(error = %reason, "no valid routes yet; not ready until there are");
-            let app = Arc::new(App::new(RouteTable::default(), metrics, pools));
+            let app = Arc::new(App::new(RouteTable::default(), metrics, registries));
             reload::rejected(&app, &args.config, reason);
             app
         }
