@@ -4,13 +4,14 @@
 //! last byte, on a failure, or when the client went away mid-stream — so every exit is
 //! counted once, usage included. When the provider sends no usage, tokens are estimated
 //! (request bytes / 4 for input, content chunks for output) and marked as estimated.
+//! The same usage settles the request's token reservation with the rate limiter.
 
 use std::{sync::Arc, time::Duration};
 
 use rust_decimal::{Decimal, prelude::ToPrimitive};
 use tokio::time::Instant;
 
-use crate::{metrics::Metrics, sse::SseEvent, telemetry};
+use crate::{limits::AdmissionGuard, metrics::Metrics, sse::SseEvent, telemetry};
 
 /// Token counts of one response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -99,6 +100,8 @@ pub struct RequestInfo {
     pub span: tracing::Span,
     /// The CLIENT span of the attempt that answered, ended with the request.
     pub attempt_span: tracing::Span,
+    /// The exact cache's verdict (`hit`, `miss`, `bypass`) on routes with a cache.
+    pub cache: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +123,8 @@ pub struct Recorder {
     body_bytes: usize,
     /// The `model` the provider reported, for `gen_ai.response.model` (traced requests only).
     response_model: Option<String>,
+    /// The rate limiter's hold on this request: settled with the real usage when it ends.
+    admission: Option<AdmissionGuard>,
 }
 
 impl Recorder {
@@ -138,7 +143,14 @@ impl Recorder {
             done_seen: false,
             body_bytes: 0,
             response_model: None,
+            admission: None,
         }
+    }
+
+    /// Holds the request's admission (concurrency slots, token reservation) until the
+    /// response ends, then settles it with the tokens used.
+    pub fn set_admission(&mut self, guard: Option<AdmissionGuard>) {
+        self.admission = guard;
     }
 
     /// A response that is complete at creation (errors, buffered bodies).
@@ -252,6 +264,11 @@ impl Drop for Recorder {
                 estimated: true,
             })
         });
+        if let Some(guard) = self.admission.take() {
+            // A request that failed before any provider answered charged nothing; one that
+            // was answered (even cut short) charged what it used, estimated if not reported.
+            guard.settle(usage.map_or(0, |u| u.input.saturating_add(u.output)));
+        }
         let mut cost = None;
         if let Some(u) = &usage {
             for (kind, n) in [
@@ -331,6 +348,7 @@ impl Drop for Recorder {
             usage_estimated = usage.map(|u| u.estimated),
             cost = cost.map(|c| c.to_string()),
             error_type = error_type,
+            cache = i.cache,
             "request"
         );
         // End the attempt's CLIENT span before the request's SERVER span.

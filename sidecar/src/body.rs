@@ -6,6 +6,8 @@
 //! usage chunk the sidecar asked for on the client's behalf, and turns a failure after the
 //! first byte into a clean SSE error event rather than a silent truncation. Dropping the body
 //! (the client went away) drops the upstream body at once, which cancels the upstream request.
+//! A relay may record what it sends for the exact cache, which stores it only when the
+//! response ended cleanly; a cache hit is replayed chunk by chunk.
 
 use std::{
     collections::VecDeque,
@@ -23,6 +25,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::{
     accounting::Recorder,
+    cache::{CacheFill, ReplayBody},
     sse::{self, SseForwarder},
 };
 
@@ -41,6 +44,8 @@ pub enum ProxyBody {
     Full(Option<Bytes>),
     Relay(Box<Relay>),
     Heartbeat(Box<Heartbeat>),
+    /// A cache hit: the stored chunks, as they were first sent.
+    Replay(ReplayBody),
 }
 
 /// The response still being worked out, for a stream already committed to heartbeats.
@@ -135,6 +140,7 @@ impl std::fmt::Debug for ProxyBody {
             ProxyBody::Full(b) => write!(f, "Full({:?} bytes)", b.as_ref().map(Bytes::len)),
             ProxyBody::Relay(_) => f.write_str("Relay"),
             ProxyBody::Heartbeat(_) => f.write_str("Heartbeat"),
+            ProxyBody::Replay(_) => f.write_str("Replay"),
         }
     }
 }
@@ -158,6 +164,9 @@ pub struct Relay {
     idle: Pin<Box<Sleep>>,
     total: Pin<Box<Sleep>>,
     recorder: Recorder,
+    /// Records the client-facing chunks for the exact cache (a cache miss of a cacheable
+    /// request); committed only when the upstream body ended cleanly.
+    cache_fill: Option<CacheFill>,
     /// Holds the provider's connection slot until the body ends or is dropped.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
@@ -165,6 +174,7 @@ pub struct Relay {
 impl Relay {
     /// `held` are the bytes already read from upstream, already passed through
     /// `forwarder` if it is an SSE stream; `upstream` is the rest of the body, if any.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         held: VecDeque<Bytes>,
         upstream: Option<Incoming>,
@@ -173,7 +183,13 @@ impl Relay {
         deadline: Instant,
         recorder: Recorder,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        mut cache_fill: Option<CacheFill>,
     ) -> Self {
+        if let Some(fill) = cache_fill.as_mut() {
+            for chunk in &held {
+                fill.push(chunk);
+            }
+        }
         Self {
             held,
             upstream,
@@ -182,8 +198,17 @@ impl Relay {
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
             total: Box::pin(tokio::time::sleep_until(deadline)),
             recorder,
+            cache_fill,
             _permit: permit,
         }
+    }
+
+    /// A chunk goes to the client: the cache records it too.
+    fn emit(&mut self, chunk: Bytes) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        if let Some(fill) = self.cache_fill.as_mut() {
+            fill.push(&chunk);
+        }
+        Poll::Ready(Some(Ok(Frame::data(chunk))))
     }
 
     /// Ends the relay after a failure: SSE clients get an error event, others an abort.
@@ -193,6 +218,8 @@ impl Relay {
         code: &'static str,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.upstream = None;
+        // Dropped uncommitted: a failed response is never cached.
+        self.cache_fill = None;
         self.recorder.fail_mid_stream(code);
         if self.forwarder.is_some() {
             self.forwarder = None;
@@ -229,7 +256,16 @@ impl Body for ProxyBody {
             ProxyBody::Full(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Relay(relay) => relay,
             ProxyBody::Heartbeat(h) => return h.poll(cx),
+            ProxyBody::Replay(replay) => {
+                return match Pin::new(replay).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Err(never))) => match never {},
+                    Poll::Ready(None) => Poll::Ready(None),
+                    Poll::Pending => Poll::Pending,
+                };
+            }
         };
+        // Held bytes were recorded for the cache when the relay was made.
         if let Some(bytes) = relay.held.pop_front() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
@@ -251,7 +287,7 @@ impl Body for ProxyBody {
                     let deadline = Instant::now() + relay.idle_timeout;
                     relay.idle.as_mut().reset(deadline);
                     if let Some(out) = relay.on_chunk(data) {
-                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                        return relay.emit(out);
                     }
                 }
                 Poll::Ready(Some(Err(_))) => {
@@ -263,12 +299,17 @@ impl Body for ProxyBody {
                 Poll::Ready(None) => {
                     relay.upstream = None;
                     relay.recorder.finish_ok();
+                    let mut rest = Bytes::new();
                     if let Some(forwarder) = relay.forwarder.as_mut() {
                         let recorder = &mut relay.recorder;
-                        let rest = forwarder.finish(|event| recorder.on_sse_event(&event));
-                        if !rest.is_empty() {
-                            return Poll::Ready(Some(Ok(Frame::data(rest))));
-                        }
+                        rest = forwarder.finish(|event| recorder.on_sse_event(&event));
+                    }
+                    if let Some(mut fill) = relay.cache_fill.take() {
+                        fill.push(&rest);
+                        fill.commit();
+                    }
+                    if !rest.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }
                     return Poll::Ready(None);
                 }
@@ -290,6 +331,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(b) => b.is_none(),
             ProxyBody::Relay(r) => r.held.is_empty() && r.upstream.is_none(),
             ProxyBody::Heartbeat(_) => false,
+            ProxyBody::Replay(r) => r.is_end_stream(),
         }
     }
 
@@ -298,6 +340,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
             ProxyBody::Relay(_) | ProxyBody::Heartbeat(_) => SizeHint::default(),
+            ProxyBody::Replay(r) => r.size_hint(),
         }
     }
 }

@@ -5,8 +5,8 @@
 //! Latency buckets run from 5 ms to 600 s because LLM calls routinely take minutes.
 
 use prometheus::{
-    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::{accounting::SloTargets, routes::RouteTable};
@@ -50,6 +50,14 @@ pub struct Metrics {
     pub connections_max: IntGaugeVec,
     pub config_reloads: IntCounterVec,
     pub config_valid: IntGauge,
+    pub tier_requests: IntCounterVec,
+    pub capability_actions: IntCounterVec,
+    pub admission_rejected: IntCounterVec,
+    pub queue_wait: HistogramVec,
+    pub limit_backend_errors: IntCounter,
+    pub cache_requests: IntCounterVec,
+    pub cache_entries: IntGaugeVec,
+    pub cache_bytes: IntGaugeVec,
     /// Serialises the per-config series' reset-and-set against each other.
     series_lock: std::sync::Mutex<()>,
 }
@@ -198,6 +206,55 @@ impl Metrics {
                 "tailwarden_config_last_load_valid",
                 "1 when the last config file load was valid, 0 when the sidecar kept an older config.",
             )?,
+            tier_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_tier_requests_total",
+                    "Requests by the tier their content selected (spec.tiers).",
+                ),
+                &["route", "tier"],
+            )?,
+            capability_actions: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_capability_actions_total",
+                    "Attempts whose parameters a provider's capability rules changed: dropped (sent without them) or rejected (not sent to that provider).",
+                ),
+                &["route", "provider", "action"],
+            )?,
+            admission_rejected: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_rate_limited_total",
+                    "Requests refused by the route's admission limits, by limit (requests_per_second, tokens_per_minute, concurrency, backend), scope (route, tenant) and status (429 over a rate, 503 shed for overload).",
+                ),
+                &["route", "limit", "scope", "status"],
+            )?,
+            queue_wait: histogram(
+                "tailwarden_queue_wait_seconds",
+                "Time admitted requests waited for a concurrency slot (rateLimit.maxConcurrent).",
+                &["route"],
+                OVERHEAD_BUCKETS,
+            )?,
+            limit_backend_errors: IntCounter::new(
+                "tailwarden_rate_limit_backend_errors_total",
+                "Failed calls to the shared rate-limit backend (Redis); requests then follow rateLimit.redis.failMode.",
+            )?,
+            cache_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_cache_requests_total",
+                    "Requests of routes with a cache, by result: hit, miss, bypass (not cacheable or the client opted out).",
+                ),
+                &["route", "result"],
+            )?,
+            cache_entries: IntGaugeVec::new(
+                Opts::new("tailwarden_cache_entries", "Responses held in the route's cache; sampled at scrape."),
+                &["route"],
+            )?,
+            cache_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_cache_bytes",
+                    "Weight of the route's cache entries in bytes (at least maxBytes / maxEntries each); sampled at scrape.",
+                ),
+                &["route"],
+            )?,
             series_lock: std::sync::Mutex::new(()),
             registry,
         };
@@ -222,6 +279,17 @@ impl Metrics {
         m.registry.register(Box::new(m.connections_max.clone()))?;
         m.registry.register(Box::new(m.config_reloads.clone()))?;
         m.registry.register(Box::new(m.config_valid.clone()))?;
+        m.registry.register(Box::new(m.tier_requests.clone()))?;
+        m.registry
+            .register(Box::new(m.capability_actions.clone()))?;
+        m.registry
+            .register(Box::new(m.admission_rejected.clone()))?;
+        m.registry.register(Box::new(m.queue_wait.clone()))?;
+        m.registry
+            .register(Box::new(m.limit_backend_errors.clone()))?;
+        m.registry.register(Box::new(m.cache_requests.clone()))?;
+        m.registry.register(Box::new(m.cache_entries.clone()))?;
+        m.registry.register(Box::new(m.cache_bytes.clone()))?;
         Ok(m)
     }
 
@@ -260,12 +328,24 @@ impl Metrics {
         self.sample(table);
     }
 
-    /// Gauges read from live state, refreshed before each scrape: connection slots in use.
+    /// Gauges read from live state, refreshed before each scrape: connection slots in use,
+    /// cache sizes.
     pub fn sample(&self, table: &RouteTable) {
         let _guard = self.series_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.connections_in_use.reset();
         self.connections_max.reset();
+        self.cache_entries.reset();
+        self.cache_bytes.reset();
         for route in &table.routes {
+            if let Some(cache) = &route.cache {
+                let (entries, weight) = cache.usage();
+                self.cache_entries
+                    .with_label_values(&[&*route.name])
+                    .set(i64::try_from(entries).unwrap_or(i64::MAX));
+                self.cache_bytes
+                    .with_label_values(&[&*route.name])
+                    .set(i64::try_from(weight).unwrap_or(i64::MAX));
+            }
             for upstream in &route.upstreams {
                 let pool = &upstream.pool;
                 let max = i64::from(pool.max_connections);

@@ -1,5 +1,10 @@
-//! The request path: read and check the body, pick the route and tier, then run attempts
+//! The request path: read and check the body, pick the route and tier, answer from the
+//! exact cache if it can, admit the request under the route's limits, then run attempts
 //! (retries, hedges, fallback) until one produces its first byte, and relay it.
+//!
+//! Cache hits are answered before admission: they cost the providers nothing, so they are not
+//! charged against rate limits. Rejections by the limits are the sidecar's own 429/503s and
+//! are never retried.
 //!
 //! The client sees nothing until an attempt has its first upstream byte in hand: until
 //! then any failure can still be retried elsewhere. After that, nothing is retried; a
@@ -28,15 +33,17 @@ use crate::{
     accounting::{Recorder, RequestInfo, SloTargets, Usage},
     body::{ProxyBody, Relay},
     breaker::{Permit, State, Transition},
+    cache::{CacheKey, Entry, NotCacheable},
+    capabilities::{self, Decision},
     error::ApiError,
+    limits::{self, AdmissionGuard, Rejection, Scope},
     metrics::Metrics,
     reload::ConfigStatus,
     request::RequestBody,
     retry::{self, FailureKind},
-    routes::{Route, RouteTable, Upstream},
+    routes::{Registries, Route, RouteTable, Upstream},
     sse::{SseEvent, SseForwarder},
     telemetry::{self, KeyValue},
-    upstream::PoolCache,
 };
 
 /// Non-stream responses up to this size are read whole before the client sees anything, so
@@ -49,7 +56,8 @@ const ERROR_BODY_LIMIT: usize = 64 << 10;
 pub struct App {
     pub table: ArcSwap<RouteTable>,
     pub metrics: Arc<Metrics>,
-    pub pools: PoolCache,
+    /// Pools, limiters and caches kept across config reloads.
+    pub registries: Registries,
     pub draining: AtomicBool,
     pub body_timeout: Duration,
     next_id: AtomicU64,
@@ -63,11 +71,11 @@ impl std::fmt::Debug for App {
 }
 
 impl App {
-    pub fn new(table: RouteTable, metrics: Arc<Metrics>, pools: PoolCache) -> Self {
+    pub fn new(table: RouteTable, metrics: Arc<Metrics>, registries: Registries) -> Self {
         Self {
             table: ArcSwap::from_pointee(table),
             metrics,
-            pools,
+            registries,
             draining: AtomicBool::new(false),
             body_timeout: Duration::from_secs(30),
             next_id: AtomicU64::new(1),
@@ -184,6 +192,39 @@ struct Call<'a> {
     deadline: Instant,
     /// The request's SERVER span (none when tracing is off).
     span: &'a Span,
+    /// Per provider (by index): what its capability rules do with this request; empty
+    /// when no provider of the route has rules.
+    decisions: &'a [Decision],
+}
+
+/// What the exact cache decided for a request (on routes with a cache).
+enum CacheState {
+    /// The route has no cache.
+    Off,
+    /// Not cacheable, or the client opted out of storing.
+    Bypass(NotCacheable),
+    /// Looked up and missed, or the client bypassed the lookup: the answer may be stored.
+    Miss(CacheKey),
+}
+
+impl CacheState {
+    fn label(&self) -> Option<&'static str> {
+        match self {
+            CacheState::Off => None,
+            CacheState::Bypass(_) => Some("bypass"),
+            CacheState::Miss(key) if key.read => Some("miss"),
+            CacheState::Miss(_) => Some("bypass"),
+        }
+    }
+}
+
+/// What was decided about a request before its attempts.
+struct Prepared {
+    request_id: String,
+    /// Index into the route's tiers.
+    tier: Option<usize>,
+    cache: CacheState,
+    admission: Option<AdmissionGuard>,
 }
 
 async fn proxy(
@@ -204,13 +245,74 @@ async fn proxy(
     if raw_body.len() as u64 > route.settings.max_body_bytes {
         return Err(ApiError::too_large(route.settings.max_body_bytes));
     }
+    let request_id = app.request_id(&headers);
+    let tiers = route.tier_set.tiers();
+    let tier = route
+        .tier_set
+        .choose_for(&body, &headers)
+        .and_then(|chosen| tiers.iter().position(|t| std::ptr::eq(t, chosen)));
+    let model = tier.map_or(body.model.as_ref(), |i| tiers[i].model.as_str());
+
+    let cache = match &route.cache {
+        None => CacheState::Off,
+        Some(cache) => match cache.key(&body, suffix, model, &headers) {
+            Err(reason) => CacheState::Bypass(reason),
+            Ok(key) => match cache.get(&key) {
+                Some(entry) => {
+                    let response = cached_response(
+                        app, route, &entry, &body, &request_id, tier, suffix, arrived, span,
+                    );
+                    return Ok(response);
+                }
+                None => CacheState::Miss(key),
+            },
+        },
+    };
+    if let Some(label) = cache.label() {
+        app.metrics
+            .cache_requests
+            .with_label_values(&[&*route.name, label])
+            .inc();
+    }
+
+    let admission = match &route.limiter {
+        None => None,
+        Some(limiter) => {
+            let tenant = limiter.tenant_of(&headers);
+            match limits::admit(limiter, tenant.as_deref(), limits::estimate_tokens(&body)).await
+            {
+                Ok(guard) => {
+                    if limiter.concurrency().0 > 0 {
+                        app.metrics
+                            .queue_wait
+                            .with_label_values(&[&*route.name])
+                            .observe(guard.waited().as_secs_f64());
+                    }
+                    Some(guard)
+                }
+                Err(rejection) => {
+                    return Ok(rejected(
+                        app, route, &rejection, &body, &request_id, tier, suffix, arrived, span,
+                        &raw_body,
+                    ));
+                }
+            }
+        }
+    };
+    let prepared = Prepared {
+        request_id,
+        tier,
+        cache,
+        admission,
+    };
+
     let heartbeat = route
         .settings
         .heartbeat
         .filter(|_| body.stream && suffix != "/embeddings");
     let Some(interval) = heartbeat else {
         return Ok(respond(
-            app, route, &headers, &raw_body, &body, suffix, arrived, span,
+            app, route, &headers, &raw_body, &body, suffix, arrived, span, prepared,
         )
         .await);
     };
@@ -223,7 +325,7 @@ async fn proxy(
         match RequestBody::parse(&raw_body) {
             Ok(body) => {
                 respond(
-                    &app, &route, &headers, &raw_body, &body, suffix, arrived, &span,
+                    &app, &route, &headers, &raw_body, &body, suffix, arrived, &span, prepared,
                 )
                 .await
             }
@@ -247,11 +349,35 @@ async fn respond(
     suffix: &'static str,
     arrived: Instant,
     span: &Span,
+    prepared: Prepared,
 ) -> Response<ProxyBody> {
-    let tier = route.tier_set.choose_for(body, headers);
+    let Prepared {
+        request_id,
+        tier,
+        cache,
+        admission,
+    } = prepared;
+    let tier = tier.and_then(|i| route.tier_set.tiers().get(i));
     let model = tier.map_or(body.model.as_ref(), |t| t.model.as_str());
-    let request_id = app.request_id(headers);
     let stream = body.stream && suffix != "/embeddings";
+    if let Some(t) = tier {
+        app.metrics
+            .tier_requests
+            .with_label_values(&[&*route.name, &*t.name])
+            .inc();
+    }
+    let decisions = capability_decisions(route, model, body);
+    if let Some(error) = unsupported_everywhere(route, &decisions) {
+        let info = request_info(
+            app, route, body, &request_id, tier, stream, arrived, span, error.status.as_u16(),
+        );
+        let mut recorder = Recorder::finished(info, Some("unsupported_parameter"));
+        recorder.set_admission(admission);
+        drop(recorder);
+        let mut response = error.into_response();
+        finish_headers(&mut response, &request_id, tier.map(|t| &*t.name), cache.label());
+        return response;
+    }
     let call = Call {
         app,
         route,
@@ -265,6 +391,7 @@ async fn respond(
         raw_body,
         deadline: arrived + route.settings.total,
         span,
+        decisions: &decisions,
     };
     let outcome = run(&call).await;
     let info = |status: u16,
@@ -290,6 +417,11 @@ async fn respond(
         slo: SloTargets::of(&route.spec),
         span: span.clone(),
         attempt_span: Span::none(),
+        cache: cache.label(),
+    };
+    let cache_key = match (&cache, &route.cache) {
+        (CacheState::Miss(key), Some(store)) => Some((*key, store)),
+        _ => None,
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -305,6 +437,9 @@ async fn respond(
             info.overhead = overhead;
             info.attempt_span = won.span;
             let mut recorder = Recorder::new(info);
+            recorder.set_admission(admission);
+            let fill = cache_key
+                .and_then(|(key, store)| store.fill(&key, won.status, &won.headers, stream));
             let body = match won.rest {
                 None => {
                     if let Some(usage) = won.usage {
@@ -319,7 +454,12 @@ async fn respond(
                     recorder.add_body_bytes(total);
                     recorder.finish_ok();
                     drop(recorder);
-                    ProxyBody::full(concat(won.held))
+                    let whole = concat(won.held);
+                    if let Some(mut fill) = fill {
+                        fill.push(&whole);
+                        fill.commit();
+                    }
+                    ProxyBody::full(whole)
                 }
                 Some(rest) => {
                     for ev in &won.first_events {
@@ -333,6 +473,7 @@ async fn respond(
                         call.deadline,
                         recorder,
                         won.permit,
+                        fill,
                     )))
                 }
             };
@@ -366,7 +507,9 @@ async fn respond(
                 failed.hedged,
                 failed.dispatch_delay,
             );
-            drop(Recorder::finished(info, Some(failed.error_type)));
+            let mut recorder = Recorder::finished(info, Some(failed.error_type));
+            recorder.set_admission(admission);
+            drop(recorder);
             let mut response = failed.response;
             if let Some(u) = upstream {
                 set_header(response.headers_mut(), "x-tailwarden-provider", &u.name);
@@ -379,11 +522,225 @@ async fn respond(
             response
         }
     };
-    if let Some(tier) = tier {
-        set_header(response.headers_mut(), "x-tailwarden-tier", &tier.name);
+    finish_headers(
+        &mut response,
+        &request_id,
+        tier.map(|t| &*t.name),
+        cache.label(),
+    );
+    if let CacheState::Bypass(reason) = &cache {
+        set_header(
+            response.headers_mut(),
+            "x-tailwarden-cache-reason",
+            &reason.to_string(),
+        );
     }
-    set_header(response.headers_mut(), "x-request-id", &request_id);
     response
+}
+
+/// Headers every response of the request path carries.
+fn finish_headers(
+    response: &mut Response<ProxyBody>,
+    request_id: &str,
+    tier: Option<&str>,
+    cache: Option<&'static str>,
+) {
+    let headers = response.headers_mut();
+    if let Some(tier) = tier {
+        set_header(headers, "x-tailwarden-tier", tier);
+    }
+    if let Some(cache) = cache {
+        headers.insert("x-tailwarden-cache", HeaderValue::from_static(cache));
+    }
+    set_header(headers, "x-request-id", request_id);
+}
+
+/// What is known about a request that no provider answered (a cache hit, a rejection).
+#[allow(clippy::too_many_arguments)]
+fn request_info(
+    app: &App,
+    route: &Route,
+    body: &RequestBody<'_>,
+    request_id: &str,
+    tier: Option<&crate::tiers::CompiledTier>,
+    stream: bool,
+    arrived: Instant,
+    span: &Span,
+    status: u16,
+) -> RequestInfo {
+    RequestInfo {
+        metrics: app.metrics.clone(),
+        request_id: request_id.to_owned(),
+        route: route.name.clone(),
+        model: body.model.to_string(),
+        provider: Arc::from(""),
+        provider_model: String::new(),
+        tier: tier.map(|t| t.name.clone()),
+        stream,
+        status,
+        attempts: 0,
+        hedged: false,
+        arrived,
+        overhead: arrived.elapsed(),
+        request_bytes: 0,
+        price: None,
+        slo: SloTargets::of(&route.spec),
+        span: span.clone(),
+        attempt_span: Span::none(),
+        cache: None,
+    }
+}
+
+/// The answer from the exact cache: the stored status, content type and body — a stream is
+/// replayed as the very chunks the first client received.
+#[allow(clippy::too_many_arguments)]
+fn cached_response(
+    app: &App,
+    route: &Route,
+    entry: &Arc<Entry>,
+    body: &RequestBody<'_>,
+    request_id: &str,
+    tier: Option<usize>,
+    suffix: &'static str,
+    arrived: Instant,
+    span: &Span,
+) -> Response<ProxyBody> {
+    app.metrics
+        .cache_requests
+        .with_label_values(&[&*route.name, "hit"])
+        .inc();
+    let tier = tier.and_then(|i| route.tier_set.tiers().get(i));
+    let stream = body.stream && suffix != "/embeddings";
+    let mut info = request_info(
+        app,
+        route,
+        body,
+        request_id,
+        tier,
+        stream,
+        arrived,
+        span,
+        entry.status.as_u16(),
+    );
+    info.cache = Some("hit");
+    drop(Recorder::finished(info, None));
+    let payload = if entry.stream {
+        ProxyBody::Replay(entry.replay())
+    } else {
+        ProxyBody::full(entry.body())
+    };
+    let mut response = Response::new(payload);
+    *response.status_mut() = entry.status;
+    let headers = response.headers_mut();
+    if let Some(ct) = &entry.content_type {
+        headers.insert(header::CONTENT_TYPE, ct.clone());
+    }
+    if entry.stream {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    }
+    headers.insert(header::AGE, HeaderValue::from(entry.age(Instant::now())));
+    finish_headers(&mut response, request_id, tier.map(|t| &*t.name), Some("hit"));
+    response
+}
+
+/// The sidecar's own 429/503 for a request over one of the route's limits: `Retry-After`,
+/// the limit named in the message and in `x-tailwarden-limit`. Never retried.
+#[allow(clippy::too_many_arguments)]
+fn rejected(
+    app: &App,
+    route: &Route,
+    rejection: &Rejection,
+    body: &RequestBody<'_>,
+    request_id: &str,
+    tier: Option<usize>,
+    suffix: &'static str,
+    arrived: Instant,
+    span: &Span,
+    raw_body: &Bytes,
+) -> Response<ProxyBody> {
+    let error = rejection.to_api_error();
+    let status = error.status;
+    let scope = match rejection.scope() {
+        Scope::Route(_) => "route",
+        Scope::Tenant { .. } => "tenant",
+    };
+    let limit = rejection.limit().label();
+    app.metrics
+        .admission_rejected
+        .with_label_values(&[&*route.name, limit, scope, status.as_str()])
+        .inc();
+    let tier = tier.and_then(|i| route.tier_set.tiers().get(i));
+    let stream = body.stream && suffix != "/embeddings";
+    let mut info = request_info(
+        app,
+        route,
+        body,
+        request_id,
+        tier,
+        stream,
+        arrived,
+        span,
+        status.as_u16(),
+    );
+    info.request_bytes = raw_body.len();
+    telemetry::refused(span, status.as_u16(), error.code.unwrap_or(error.kind));
+    drop(Recorder::finished(
+        info,
+        Some(if status == StatusCode::TOO_MANY_REQUESTS {
+            "rate_limited"
+        } else {
+            "overloaded"
+        }),
+    ));
+    let mut response = error.into_response();
+    set_header(response.headers_mut(), "x-tailwarden-limit", limit);
+    // OpenAI SDKs retry 429/503 on their own unless told not to; a limit that resets within a
+    // few seconds is worth their retry, a shed for overload is too, so the hint stays theirs.
+    finish_headers(&mut response, request_id, tier.map(|t| &*t.name), None);
+    response
+}
+
+/// Each provider's capability decision for a request to `model` (after tier choice).
+fn capability_decisions(route: &Route, model: &str, body: &RequestBody<'_>) -> Vec<Decision> {
+    if !route.has_capabilities {
+        return Vec::new();
+    }
+    route
+        .upstreams
+        .iter()
+        .map(|u| {
+            u.capabilities
+                .check(&u.name, u.provider_model(model), body.members())
+        })
+        .collect()
+}
+
+/// The 400 when every usable provider rejects the request's parameters.
+fn unsupported_everywhere(route: &Route, decisions: &[Decision]) -> Option<ApiError> {
+    if decisions.is_empty() {
+        return None;
+    }
+    let mut params: Vec<String> = Vec::new();
+    let mut reasons = Vec::new();
+    for (u, d) in route.upstreams.iter().zip(decisions) {
+        match d {
+            Decision::Reject { params: p, message } => {
+                for name in p {
+                    if !params.contains(name) {
+                        params.push(name.clone());
+                    }
+                }
+                reasons.push(message.clone());
+            }
+            _ if u.usable() => return None,
+            _ => {}
+        }
+    }
+    Some(capabilities::no_provider_supports(
+        &route.name,
+        &params,
+        &reasons,
+    ))
 }
 
 fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
@@ -692,6 +1049,7 @@ fn pick(call: &Call<'_>, tried: &[usize]) -> Option<(usize, Permit)> {
     let available = |i: usize| {
         let u = &route.upstreams[i];
         u.usable()
+            && !matches!(call.decisions.get(i), Some(Decision::Reject { .. }))
             && u.breaker
                 .lock()
                 .map(|b| b.is_available(now))
@@ -872,7 +1230,7 @@ fn fail(
             (Some(idx), response, error_type)
         }
         _ => {
-            let reasons = unavailable_reasons(route);
+            let reasons = unavailable_reasons(call);
             (
                 None,
                 ApiError::upstream_unavailable(format!(
@@ -894,14 +1252,17 @@ fn fail(
     }))
 }
 
-fn unavailable_reasons(route: &Route) -> String {
+fn unavailable_reasons(call: &Call<'_>) -> String {
+    let route = call.route;
     let now = std_now();
     route
         .upstreams
         .iter()
         .enumerate()
         .map(|(i, u)| {
-            let why = if let Some(reason) = u.unusable.lock().ok().and_then(|r| r.clone()) {
+            let why = if let Some(Decision::Reject { params, .. }) = call.decisions.get(i) {
+                format!("does not support {}", params.join(", "))
+            } else if let Some(reason) = u.unusable.lock().ok().and_then(|r| r.clone()) {
                 reason
             } else if let Some(until) = route.balancer.cooling_until(i).filter(|t| *t > now) {
                 format!(
@@ -1005,7 +1366,20 @@ async fn attempt_inner(
     .map_err(|_| failure(FailureKind::Connect, "connection pool closed"))?;
 
     let provider_model = upstream.provider_model(call.model);
-    let body = match call.body.rewrite(provider_model, call.strip_usage) {
+    let rewritten = match call.decisions.get(idx) {
+        Some(Decision::Drop(params)) => {
+            call.app
+                .metrics
+                .capability_actions
+                .with_label_values(&[&*route.name, &*upstream.name, "dropped"])
+                .inc();
+            let params: Vec<&str> = params.iter().map(String::as_str).collect();
+            call.body
+                .rewrite_dropping(provider_model, call.strip_usage, &params)
+        }
+        _ => call.body.rewrite(provider_model, call.strip_usage),
+    };
+    let body = match rewritten {
         Some(bytes) => Bytes::from(bytes),
         None => call.raw_body.clone(),
     };

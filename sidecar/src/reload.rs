@@ -53,12 +53,12 @@ fn read_routes(path: &Path) -> Result<Vec<tailwarden_crds::InferenceRoute>, Stri
 
 /// Loads and compiles a config file or directory.
 pub fn load(
-    pools: &crate::upstream::PoolCache,
+    registries: &crate::routes::Registries,
     path: &Path,
 ) -> Result<(RouteTable, String), String> {
     let routes = read_routes(path)?;
     let hash = routes_hash(&routes);
-    let table = RouteTable::compile(routes, pools).map_err(|e| e.to_string())?;
+    let table = RouteTable::compile(routes, registries).map_err(|e| e.to_string())?;
     Ok((table, hash))
 }
 
@@ -130,7 +130,7 @@ pub async fn watch(app: Arc<App>, path: PathBuf, interval: Duration) {
         if hash == last_hash {
             continue;
         }
-        match RouteTable::compile(routes, &app.pools) {
+        match RouteTable::compile(routes, &app.registries) {
             Ok(table) => {
                 app.table.store(Arc::new(table));
                 last_hash = hash.clone();

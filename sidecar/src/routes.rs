@@ -18,8 +18,11 @@ use crate::{
     accounting::Price,
     balance::{BalanceSettings, Balancer, EndpointSpec},
     breaker::{BreakerSettings, CircuitBreaker},
+    cache::{Caches, ExactCache},
     capabilities::CapabilityMap,
     hedge::{HedgeMode, QuantileSettings, TtftQuantiles, hedge_budget},
+    limits::{LimitConfigError, Limiters, RouteLimiter},
+    metrics::Metrics,
     retry::{BudgetSettings, RetryBudget, RetryClasses},
     tiers::{TierError, TierSet},
     upstream::{Pool, PoolCache},
@@ -167,6 +170,33 @@ pub struct Route {
     pub tiers: Vec<Tier>,
     /// The tiers compiled (regexes, keywords, header names): see [`TierSet::choose_for`].
     pub tier_set: TierSet,
+    /// Admission limits (`rateLimit`), kept across reloads while unchanged.
+    pub limiter: Option<Arc<RouteLimiter>>,
+    /// The exact cache (`cache.exact`), kept across reloads while unchanged.
+    pub cache: Option<Arc<ExactCache>>,
+    /// Whether any provider has capability rules (skips the per-request check otherwise).
+    pub has_capabilities: bool,
+}
+
+/// State that outlives a config: connection pools, rate limiters (buckets, queues, Redis
+/// connections) and caches. Compiling a new config reuses what did not change, so a reload
+/// neither drops warm connections nor hands every tenant a fresh burst nor empties caches.
+#[derive(Debug, Default)]
+pub struct Registries {
+    pub pools: PoolCache,
+    pub limiters: Limiters,
+    pub caches: Caches,
+}
+
+impl Registries {
+    /// Registries whose shared limit backends count their failures in `metrics`.
+    pub fn new(metrics: &Metrics) -> Self {
+        Self {
+            pools: PoolCache::default(),
+            limiters: Limiters::new(Some(metrics.limit_backend_errors.clone())),
+            caches: Caches::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Route {
@@ -211,15 +241,22 @@ pub enum CompileError {
         #[source]
         source: TierError,
     },
+    #[error(transparent)]
+    Limits(#[from] LimitConfigError),
 }
 
 impl RouteTable {
-    /// Compiles validated routes. Pools come from (and stay in) `pools`.
-    pub fn compile(routes: Vec<InferenceRoute>, pools: &PoolCache) -> Result<Self, CompileError> {
+    /// Compiles validated routes. Pools, limiters and caches come from (and stay in)
+    /// `registries`.
+    pub fn compile(
+        routes: Vec<InferenceRoute>,
+        registries: &Registries,
+    ) -> Result<Self, CompileError> {
         let mut table = RouteTable::default();
         let mut in_use = Vec::new();
+        let pools = &registries.pools;
         for route in &routes {
-            let compiled = Arc::new(compile_route(route, pools, &mut in_use)?);
+            let compiled = Arc::new(compile_route(route, registries, &mut in_use)?);
             table.max_body_bytes = table.max_body_bytes.max(compiled.settings.max_body_bytes);
             for model in &route.spec.models {
                 if model == "*" {
@@ -231,6 +268,9 @@ impl RouteTable {
             table.routes.push(compiled);
         }
         pools.retain(&in_use);
+        let names: Vec<&str> = table.routes.iter().map(|r| &*r.name).collect();
+        registries.limiters.retain(&names);
+        registries.caches.retain(&names);
         table.source = routes;
         Ok(table)
     }
@@ -261,9 +301,10 @@ impl RouteTable {
 
 fn compile_route(
     route: &InferenceRoute,
-    pools: &PoolCache,
+    registries: &Registries,
     in_use: &mut Vec<(String, Duration, u32)>,
 ) -> Result<Route, CompileError> {
+    let pools = &registries.pools;
     let name: Arc<str> = tailwarden_crds::load::qualified_name(route).into();
     let spec = &route.spec;
     let settings = settings(spec);
@@ -311,6 +352,17 @@ fn compile_route(
         route: name.to_string(),
         source,
     })?;
+    let limiter = registries
+        .limiters
+        .for_route(&name, spec.rate_limit.as_ref())?;
+    let tenant_header = spec
+        .rate_limit
+        .as_ref()
+        .and_then(|r| r.tenant_header.as_deref());
+    let cache = registries
+        .caches
+        .for_route(&name, &spec.cache.exact, tenant_header);
+    let has_capabilities = spec.providers.iter().any(|p| !p.capabilities.is_empty());
     let slo_latency = spec
         .slo
         .as_ref()
@@ -339,6 +391,9 @@ fn compile_route(
         ),
         tiers: spec.tiers.clone(),
         tier_set,
+        limiter,
+        cache,
+        has_capabilities,
         name,
         spec: spec.clone(),
         settings,

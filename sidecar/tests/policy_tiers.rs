@@ -172,8 +172,8 @@ spec:
 "#,
     )
     .unwrap();
-    let pools = tailwarden_sidecar::upstream::PoolCache::default();
-    let err = match tailwarden_sidecar::reload::load(&pools, &path) {
+    let registries = tailwarden_sidecar::routes::Registries::default();
+    let err = match tailwarden_sidecar::reload::load(&registries, &path) {
         Ok(_) => panic!("an invalid regex must not load"),
         Err(e) => e,
     };

@@ -19,7 +19,11 @@ use hyper_util::{
     server::conn::auto,
 };
 use tailwarden_sidecar::{
-    metrics::Metrics, proxy::App, reload, routes::RouteTable, server, upstream::PoolCache,
+    metrics::Metrics,
+    proxy::App,
+    reload,
+    routes::{Registries, RouteTable},
+    server,
 };
 use tokio::net::TcpListener;
 
@@ -344,11 +348,11 @@ pub async fn sidecar_with(config_yaml: &str, adjust: impl FnOnce(&mut App)) -> S
     let dir = TempDir::new();
     let config = dir.0.join("routes.yaml");
     std::fs::write(&config, config_yaml).unwrap();
-    let pools = PoolCache::default();
-    let (table, hash): (RouteTable, String) =
-        reload::load(&pools, &config).expect("test config is valid");
     let metrics = Arc::new(Metrics::new().unwrap());
-    let mut app = App::new(table, metrics, pools);
+    let registries = Registries::new(&metrics);
+    let (table, hash): (RouteTable, String) =
+        reload::load(&registries, &config).expect("test config is valid");
+    let mut app = App::new(table, metrics, registries);
     adjust(&mut app);
     let app = Arc::new(app);
     reload::loaded(&app, &config, hash);
