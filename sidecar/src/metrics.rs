@@ -245,7 +245,10 @@ impl Metrics {
                 &["route", "result"],
             )?,
             cache_entries: IntGaugeVec::new(
-                Opts::new("tailwarden_cache_entries", "Responses held in the route's cache; sampled at scrape."),
+                Opts::new(
+                    "tailwarden_cache_entries",
+                    "Responses held in the route's cache; sampled at scrape.",
+                ),
                 &["route"],
             )?,
             cache_bytes: IntGaugeVec::new(

@@ -260,7 +260,15 @@ async fn proxy(
             Ok(key) => match cache.get(&key) {
                 Some(entry) => {
                     let response = cached_response(
-                        app, route, &entry, &body, &request_id, tier, suffix, arrived, span,
+                        app,
+                        route,
+                        &entry,
+                        &body,
+                        &request_id,
+                        tier,
+                        suffix,
+                        arrived,
+                        span,
                     );
                     return Ok(response);
                 }
@@ -279,8 +287,7 @@ async fn proxy(
         None => None,
         Some(limiter) => {
             let tenant = limiter.tenant_of(&headers);
-            match limits::admit(limiter, tenant.as_deref(), limits::estimate_tokens(&body)).await
-            {
+            match limits::admit(limiter, tenant.as_deref(), limits::estimate_tokens(&body)).await {
                 Ok(guard) => {
                     if limiter.concurrency().0 > 0 {
                         app.metrics
@@ -292,7 +299,15 @@ async fn proxy(
                 }
                 Err(rejection) => {
                     return Ok(rejected(
-                        app, route, &rejection, &body, &request_id, tier, suffix, arrived, span,
+                        app,
+                        route,
+                        &rejection,
+                        &body,
+                        &request_id,
+                        tier,
+                        suffix,
+                        arrived,
+                        span,
                         &raw_body,
                     ));
                 }
@@ -369,13 +384,26 @@ async fn respond(
     let decisions = capability_decisions(route, model, body);
     if let Some(error) = unsupported_everywhere(route, &decisions) {
         let info = request_info(
-            app, route, body, &request_id, tier, stream, arrived, span, error.status.as_u16(),
+            app,
+            route,
+            body,
+            &request_id,
+            tier,
+            stream,
+            arrived,
+            span,
+            error.status.as_u16(),
         );
         let mut recorder = Recorder::finished(info, Some("unsupported_parameter"));
         recorder.set_admission(admission);
         drop(recorder);
         let mut response = error.into_response();
-        finish_headers(&mut response, &request_id, tier.map(|t| &*t.name), cache.label());
+        finish_headers(
+            &mut response,
+            &request_id,
+            tier.map(|t| &*t.name),
+            cache.label(),
+        );
         return response;
     }
     let call = Call {
@@ -639,7 +667,12 @@ fn cached_response(
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     }
     headers.insert(header::AGE, HeaderValue::from(entry.age(Instant::now())));
-    finish_headers(&mut response, request_id, tier.map(|t| &*t.name), Some("hit"));
+    finish_headers(
+        &mut response,
+        request_id,
+        tier.map(|t| &*t.name),
+        Some("hit"),
+    );
     response
 }
 
