@@ -128,6 +128,15 @@ pub async fn watch(app: Arc<App>, path: PathBuf, interval: Duration) {
         };
         let hash = routes_hash(&routes);
         if hash == last_hash {
+            // Already serving these routes: nothing to swap. But when the file was broken
+            // in between (deleted, corrupted, caught mid-write) and is now back as it was,
+            // the config is valid again; without this the invalid-config gauge and the
+            // error on /config stayed up until the next real change (found by the chaos
+            // suite, e2e/tests/chaos.rs).
+            if app.config_status().last_error.is_some() {
+                tracing::info!(config = %path.display(), hash = %hash, "config valid again (unchanged routes)");
+                loaded(&app, &path, hash);
+            }
             continue;
         }
         match RouteTable::compile(routes, &app.registries) {
