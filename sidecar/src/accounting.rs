@@ -346,7 +346,7 @@ impl Drop for Recorder {
             output_tokens = usage.map(|u| u.output),
             reasoning_tokens = usage.map(|u| u.reasoning),
             usage_estimated = usage.map(|u| u.estimated),
-            cost = cost.map(|c| c.to_string()),
+            cost = cost.map(|c| c.normalize().to_string()),
             error_type = error_type,
             cache = i.cache,
             "request"
