@@ -235,7 +235,14 @@ impl Drop for Recorder {
         m.in_flight.with_label_values(&[&i.route]).dec();
         let total = i.arrived.elapsed();
         let class = self.status_class();
-        let provider: &str = &i.provider;
+        // Prometheus drops empty label values, which would give these series a different
+        // label set: requests no provider served are labelled `none` (`cache` for hits).
+        let provider: &str = if i.provider.is_empty() {
+            "none"
+        } else {
+            &i.provider
+        };
+        let served_upstream = !i.provider.is_empty() && i.cache != Some("hit");
         m.requests
             .with_label_values(&[&i.route, provider, &i.model, class])
             .inc();
@@ -252,7 +259,7 @@ impl Drop for Recorder {
         }
         // Usage: exact when the provider sent it, else an estimate for successful bodies.
         let usage = self.usage.or_else(|| {
-            (i.status < 400 && !provider.is_empty()).then_some(Usage {
+            (i.status < 400 && served_upstream).then_some(Usage {
                 input: (i.request_bytes / 4) as u64,
                 cached_input: 0,
                 output: if i.stream {
@@ -315,7 +322,7 @@ impl Drop for Recorder {
                 &i.attempt_span,
                 &telemetry::Finish {
                     status: i.status,
-                    provider,
+                    provider: &i.provider,
                     response_model: self.response_model.as_deref(),
                     usage,
                     ttft: self.ttft,

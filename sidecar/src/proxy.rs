@@ -651,6 +651,7 @@ fn cached_response(
         entry.status.as_u16(),
     );
     info.cache = Some("hit");
+    info.provider = Arc::from("cache");
     drop(Recorder::finished(info, None));
     let payload = if entry.stream {
         ProxyBody::Replay(entry.replay())
