@@ -6,9 +6,15 @@
 //! failed send, which could be a whole inter-token gap later. It also avoids a task and a
 //! channel per request. Frames that are due at the same instant (the whole response for
 //! the `instant` profile) are coalesced into one write.
+//!
+//! A stream can also be *frozen* from outside (the chaos switch of [`super::SimHandle`]):
+//! while frozen it sends nothing, whether it is waiting for its first token or half-way
+//! through, which is a provider hanging after its headers.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -23,6 +29,11 @@ use super::stats::{Outcome, RequestGuard};
 
 /// How long a stalled response keeps the connection before giving up.
 pub(crate) const STALL_FOR: Duration = Duration::from_secs(600);
+
+/// How often a frozen stream checks whether it was thawed. Polling keeps the switch a plain
+/// atomic (no waker registry); a few milliseconds of lag on thawing is irrelevant to tests
+/// that freeze a provider for seconds.
+const FROZEN_POLL: Duration = Duration::from_millis(10);
 
 /// Why the simulator ended a body with an error (which makes hyper abort the connection).
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +95,8 @@ pub(crate) struct StreamPlan {
     pub stall: bool,
     pub finish_reason: &'static str,
     pub usage: Usage,
+    /// The simulator's freeze switch: while it is set the stream sends nothing.
+    pub frozen: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +124,8 @@ pub(crate) struct StreamBody {
     fail_armed: bool,
     pending_error: Option<SimBodyError>,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Re-check timer while frozen.
+    frozen_tick: Option<Pin<Box<Sleep>>>,
     guard: RequestGuard,
 }
 
@@ -225,6 +240,7 @@ impl SimBody {
                 fail_armed: false,
                 pending_error: None,
                 sleep: None,
+                frozen_tick: None,
                 guard,
             })),
         }
@@ -234,6 +250,15 @@ impl SimBody {
 type FrameResult = Option<Result<Frame<Bytes>, SimBodyError>>;
 
 fn poll_stream(s: &mut StreamBody, cx: &mut Context<'_>) -> Poll<FrameResult> {
+    if let Some(frozen) = &s.plan.frozen {
+        while frozen.load(Ordering::Relaxed) {
+            let tick = s
+                .frozen_tick
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(FROZEN_POLL)));
+            ready!(tick.as_mut().poll(cx));
+            s.frozen_tick = None;
+        }
+    }
     if let Some(e) = s.pending_error.take() {
         return Poll::Ready(Some(Err(e)));
     }
@@ -325,6 +350,7 @@ mod tests {
                 prompt: 1,
                 completion: tokens as u64,
             },
+            frozen: None,
         }
     }
 
@@ -347,6 +373,37 @@ mod tests {
         let snap = stats.snapshot(false);
         assert_eq!(snap.outcome("ok"), 1);
         assert_eq!(snap.cancelled, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_frozen_stream_sends_nothing_until_thawed() {
+        let stats = Arc::new(Stats::new(std::time::Instant::now()));
+        let frozen = Arc::new(AtomicBool::new(false));
+        let mut p = plan(4, 0, 10);
+        p.frozen = Some(frozen.clone());
+        let mut body = SimBody::stream(p, RequestGuard::new(stats.clone()));
+        let start = Instant::now();
+        assert!(body.frame().await.expect("frame").is_ok());
+        frozen.store(true, Ordering::Relaxed);
+        let thaw = {
+            let frozen = frozen.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                frozen.store(false, Ordering::Relaxed);
+            })
+        };
+        // The next token was due 10 ms in; frozen, it comes only after the thaw.
+        assert!(body.frame().await.expect("frame").is_ok());
+        assert!(
+            start.elapsed() >= Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        thaw.await.expect("thaw task");
+        while let Some(frame) = body.frame().await {
+            frame.expect("no error");
+        }
+        assert_eq!(stats.snapshot(false).outcome("ok"), 1);
     }
 
     #[tokio::test(start_paused = true)]

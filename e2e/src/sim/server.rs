@@ -4,10 +4,15 @@
 //! builder. Every API request gets its own RNG seeded from `--seed` and an atomic request
 //! number, so a run with the same seed and the same request order injects the same faults
 //! and latencies no matter which worker thread serves which request.
+//!
+//! Chaos tests also need faults that start and stop *during* a run, for every request at
+//! once, the way a real provider fails: [`SimHandle::set_fault`] forces one fault on every
+//! new request and [`SimHandle::set_frozen`] freezes every streamed body, in flight or new
+//! (a provider hanging after its headers). Both are plain atomics read per request.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -59,6 +64,52 @@ pub enum SimError {
 #[error("injected connection reset")]
 pub struct ResetConnection;
 
+/// Faults switched on and off while the simulator runs (see [`SimHandle::set_fault`]).
+#[derive(Debug, Default)]
+struct Chaos {
+    /// The forced fault: 0 for none, else [`fault_code`].
+    fault: AtomicU8,
+    /// While set, streamed bodies send nothing (shared with every stream body).
+    frozen: Arc<AtomicBool>,
+}
+
+/// The forced-fault codes of [`Chaos::fault`] (0 means "no forced fault").
+fn fault_code(fault: Option<Fault>) -> u8 {
+    match fault {
+        None => 0,
+        Some(Fault::None) => 1,
+        Some(Fault::Status500) => 2,
+        Some(Fault::Status503) => 3,
+        Some(Fault::RateLimited) => 4,
+        Some(Fault::Reset) => 5,
+        Some(Fault::Drop) => 6,
+        Some(Fault::Stall) => 7,
+    }
+}
+
+fn fault_from_code(code: u8) -> Option<Fault> {
+    Some(match code {
+        1 => Fault::None,
+        2 => Fault::Status500,
+        3 => Fault::Status503,
+        4 => Fault::RateLimited,
+        5 => Fault::Reset,
+        6 => Fault::Drop,
+        7 => Fault::Stall,
+        _ => return None,
+    })
+}
+
+impl Chaos {
+    fn fault(&self) -> Option<Fault> {
+        fault_from_code(self.fault.load(Ordering::Relaxed))
+    }
+
+    fn frozen(&self) -> bool {
+        self.frozen.load(Ordering::Relaxed)
+    }
+}
+
 /// Shared state of one simulator process.
 #[derive(Debug)]
 struct SimState {
@@ -68,6 +119,7 @@ struct SimState {
     stats: Arc<Stats>,
     started: Instant,
     models_body: Bytes,
+    chaos: Chaos,
 }
 
 impl SimState {
@@ -118,6 +170,24 @@ impl SimHandle {
     pub fn stats(&self) -> StatsSnapshot {
         self.state.snapshot()
     }
+
+    /// Forces `fault` on every API request that arrives from now on, whatever the profile
+    /// draws or the `x-sim-fault` header asks; `None` goes back to those. Requests already
+    /// being answered are not affected (see [`SimHandle::set_frozen`] for those).
+    pub fn set_fault(&self, fault: Option<Fault>) {
+        self.state
+            .chaos
+            .fault
+            .store(fault_code(fault), Ordering::Relaxed);
+    }
+
+    /// Freezes (`true`) or thaws every streamed response: while frozen, streams in flight
+    /// stop where they are and new ones send their headers and nothing else, and
+    /// non-streamed responses that become ready are sent as headers only, then silence (as
+    /// the `stall` fault). Thawed streams carry on where they stopped.
+    pub fn set_frozen(&self, frozen: bool) {
+        self.state.chaos.frozen.store(frozen, Ordering::Relaxed);
+    }
 }
 
 impl Drop for SimHandle {
@@ -144,6 +214,7 @@ impl SimServer {
                 stats: Arc::new(Stats::new(started)),
                 started,
                 models_body,
+                chaos: Chaos::default(),
             }),
         })
     }
@@ -478,6 +549,7 @@ fn stall_response(
             prompt: 0,
             completion: 0,
         },
+        frozen: None,
     };
     let mut resp = Response::new(SimBody::stream(plan, guard));
     resp.headers_mut()
@@ -554,7 +626,7 @@ async fn generate(
     let brownout = state.brownout();
     let profile = &state.profile;
     let drawn = profile.pick_fault(&mut rng, &brownout);
-    let fault = ov.fault.unwrap_or(drawn);
+    let fault = state.chaos.fault().or(ov.fault).unwrap_or(drawn);
     if let Some(resp) = fault_response(state, fault, &ov, &mut guard) {
         return resp;
     }
@@ -628,6 +700,7 @@ async fn generate(
             stall: false,
             finish_reason,
             usage,
+            frozen: Some(state.chaos.frozen.clone()),
         };
         let mut resp = Response::new(SimBody::stream(plan, guard));
         let h = resp.headers_mut();
@@ -652,6 +725,12 @@ async fn generate(
         // If the client leaves during this sleep hyper drops this future, and with it the
         // guard, which records the cancellation.
         tokio::time::sleep(total).await;
+    }
+    if state.chaos.frozen() {
+        // A frozen provider hangs after the headers of non-streamed answers too.
+        state.stats.record_outcome(Outcome::FaultStall);
+        let renderer = StreamRenderer::new(api, &id, created, &model_json, false);
+        return Ok(stall_response("application/json", renderer, guard));
     }
     let meta = render::Meta {
         api,
@@ -746,7 +825,7 @@ async fn embeddings(
 
     let brownout = state.brownout();
     let drawn = state.profile.pick_fault(&mut rng, &brownout);
-    let fault = ov.fault.unwrap_or(drawn);
+    let fault = state.chaos.fault().or(ov.fault).unwrap_or(drawn);
     if let Some(resp) = fault_response(state, fault, &ov, &mut guard) {
         return resp;
     }
@@ -799,6 +878,24 @@ mod tests {
         assert_eq!(estimate_tokens(8), 2);
         assert_eq!(estimate_tokens(9), 3);
         assert_eq!(estimate_tokens(0), 1);
+    }
+
+    #[test]
+    fn forced_fault_codes_round_trip() {
+        let all = [
+            None,
+            Some(Fault::None),
+            Some(Fault::Status500),
+            Some(Fault::Status503),
+            Some(Fault::RateLimited),
+            Some(Fault::Reset),
+            Some(Fault::Drop),
+            Some(Fault::Stall),
+        ];
+        for f in all {
+            assert_eq!(fault_from_code(fault_code(f)), f);
+        }
+        assert_eq!(fault_from_code(200), None);
     }
 
     #[test]
