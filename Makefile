@@ -12,7 +12,7 @@ build:
 
 ## test: everything CI runs — formatting, lints, unit and integration tests (the Helm chart
 ## rendered by the real helm), the real OpenAI SDKs.
-test: fmt-check clippy unit sdk observability-test
+test: fmt-check clippy unit sdk observability-test fuzz-smoke
 
 unit: tools sdk-deps system-deps
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
@@ -110,3 +110,26 @@ controlplane-smoke:
 observability-test:
 	bash e2e/prometheus/install.sh
 	$(CARGO) test -p tailwarden-e2e --test prometheus -- --ignored --test-threads 1
+
+## fuzz-smoke / fuzz: the cargo-fuzz targets in fuzz/ (docs/fuzzing.md), one after the other,
+## one libFuzzer process at a time. fuzz-smoke (part of `make test`) runs each for
+## FUZZ_SMOKE_SECONDS, `make fuzz` for FUZZ_SECONDS; a crash fails the run and leaves its
+## input in fuzz/artifacts/TARGET/. Needs the nightly toolchain; cargo-fuzz is installed
+## pinned into .cache/ by fuzz-deps. Extra libFuzzer flags: make fuzz FUZZ_ARGS='-max_len=8192'.
+.PHONY: fuzz fuzz-smoke fuzz-deps
+CARGO_FUZZ_VERSION := 0.13.2
+FUZZ_SECONDS ?= 300
+FUZZ_SMOKE_SECONDS ?= 20
+FUZZ_TARGETS ?= request_parser sse_scanner config_loader units
+
+fuzz-smoke: fuzz-deps
+	PATH=$(CACHE)/cargo-fuzz/bin:$$PATH bash fuzz/run.sh $(FUZZ_SMOKE_SECONDS) $(FUZZ_TARGETS)
+
+fuzz: fuzz-deps
+	PATH=$(CACHE)/cargo-fuzz/bin:$$PATH bash fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+fuzz-deps: $(CACHE)/cargo-fuzz/.installed-$(CARGO_FUZZ_VERSION)
+
+$(CACHE)/cargo-fuzz/.installed-$(CARGO_FUZZ_VERSION):
+	$(CARGO) install --locked --root $(CACHE)/cargo-fuzz cargo-fuzz --version $(CARGO_FUZZ_VERSION)
+	touch $@
