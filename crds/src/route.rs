@@ -62,7 +62,8 @@ use crate::units::{ByteSize, Decimal, DurationString};
     validation = Rule::new("!self.hedging.enabled || self.retries.maxAttempts >= 2").message("hedging needs retries.maxAttempts of at least 2: a hedge is an extra attempt").field_path(".hedging.enabled"),
     validation = Rule::new("self.hedging.delay == 'auto' || !self.hedging.delay.matches('^([0-9]+(\\\\.[0-9]+)?(ns|us|ms|s|m|h))+$') || duration(self.hedging.delay) < duration(self.timeouts.firstByte)").message("hedging.delay must be shorter than timeouts.firstByte, or the hedge can never start").field_path(".hedging.delay"),
     validation = Rule::new("!has(self.slo) || !has(self.slo.ttftP99) || duration(self.slo.ttftP99) <= duration(self.timeouts.firstByte)").message("slo.ttftP99 must not exceed timeouts.firstByte").field_path(".slo.ttftP99"),
-    validation = Rule::new("!has(self.slo) || !has(self.slo.latencyP99) || duration(self.slo.latencyP99) <= duration(self.timeouts.total)").message("slo.latencyP99 must not exceed timeouts.total").field_path(".slo.latencyP99")
+    validation = Rule::new("!has(self.slo) || !has(self.slo.latencyP99) || duration(self.slo.latencyP99) <= duration(self.timeouts.total)").message("slo.latencyP99 must not exceed timeouts.total").field_path(".slo.latencyP99"),
+    validation = Rule::new("!has(self.cache) || !has(self.cache.semantic) || !has(self.cache.semantic.embeddingsProvider) || self.providers.exists(p, p.name == self.cache.semantic.embeddingsProvider)").message("cache.semantic.embeddingsProvider must be the name of one of this route's providers").field_path(".cache.semantic.embeddingsProvider")
 )]
 pub struct InferenceRouteSpec {
     /// Client-facing model names this route serves: the `model` field of requests it takes.
@@ -727,6 +728,10 @@ pub struct Cache {
     /// Exact-match cache of deterministic requests.
     #[serde(default)]
     pub exact: ExactCache,
+    /// Semantic cache: a request whose question means the same as a cached one (by the
+    /// cosine similarity of their embeddings) gets the cached answer. Opt-in and strict.
+    #[serde(default)]
+    pub semantic: SemanticCache,
 }
 
 /// Exact-match cache: identical deterministic requests get the stored response.
@@ -734,7 +739,8 @@ pub struct Cache {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(
     validation = Rule::new("self.maxEntries >= 1").message("maxEntries must be at least 1").field_path(".maxEntries"),
-    validation = Rule::new("duration(self.ttl) > duration('0s')").message("ttl must be greater than zero").field_path(".ttl")
+    validation = Rule::new("duration(self.ttl) > duration('0s')").message("ttl must be greater than zero").field_path(".ttl"),
+    validation = Rule::new("self.backend != 'redis' || has(self.redis)").message("backend redis needs a redis section with the server address").field_path(".redis")
 )]
 pub struct ExactCache {
     /// Use the cache. Default false.
@@ -757,6 +763,89 @@ pub struct ExactCache {
     /// `x-tailwarden-cache: force`. `false` caches every request. Default true.
     #[serde(default = "defaults::yes")]
     pub deterministic_only: bool,
+    /// Where entries live: `local` (each sidecar its own) or `redis` (shared by all
+    /// replicas of the route; each sidecar still keeps a local copy of what it served and
+    /// asks Redis only on a local miss). Default `local`.
+    #[serde(default)]
+    pub backend: Backend,
+    /// The Redis server for `backend: redis`. When it is slow (over 50 ms) or down, lookups
+    /// are misses: the request goes to a provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<CacheRedis>,
+}
+
+/// The Redis server of a shared cache.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("self.address.matches('^[A-Za-z0-9.-]+:[0-9]{1,5}$')").message("address must be host:port").field_path(".address")
+)]
+pub struct CacheRedis {
+    /// `host:port` of the Redis server.
+    #[schemars(length(min = 1, max = 261))]
+    pub address: String,
+}
+
+/// Semantic cache: a request gets the stored answer of an earlier request that asks the same
+/// thing in other words. Only the last user message is compared, by the cosine similarity of
+/// its embedding; everything else that can change the answer (the model after tier choice,
+/// the system prompt and earlier turns, `temperature`, `response_format`, …) must be equal.
+/// Requests with tools, images, audio or files are never compared. A near match is refused
+/// when the two questions differ in their numbers, negations ("not", "never", "n't", …),
+/// names or quoted text, so "Is Paris not the capital of France?" never gets the answer to
+/// "Is Paris the capital of France?". Hits carry `x-tailwarden-cache: semantic-hit`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("!self.enabled || has(self.embeddingsProvider)").message("embeddingsProvider is required when the semantic cache is enabled").field_path(".embeddingsProvider"),
+    validation = Rule::new("!self.enabled || has(self.embeddingsModel)").message("embeddingsModel is required when the semantic cache is enabled").field_path(".embeddingsModel"),
+    validation = Rule::new("self.threshold.matches('^(0+(\\\\.[0-9]+)?|0*1(\\\\.0+)?)$') && !self.threshold.matches('^0+(\\\\.0+)?$')").message("threshold must be a decimal string above 0 and at most 1, such as \"0.92\"").field_path(".threshold"),
+    validation = Rule::new("self.maxEntries >= 1 && self.maxEntries <= 10000").message("maxEntries must be between 1 and 10000").field_path(".maxEntries"),
+    validation = Rule::new("duration(self.ttl) > duration('0s')").message("ttl must be greater than zero").field_path(".ttl"),
+    validation = Rule::new("duration(self.timeout) > duration('0s')").message("timeout must be greater than zero").field_path(".timeout")
+)]
+pub struct SemanticCache {
+    /// Use the semantic cache. Default false.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Least cosine similarity between two questions' embeddings for one to get the other's
+    /// answer, above 0 and at most 1, as a decimal string. Higher is stricter. Default
+    /// `"0.92"`.
+    #[serde(default = "defaults::semantic_threshold")]
+    pub threshold: Decimal,
+    /// Name of the provider (one of `providers`) that computes embeddings, called at
+    /// `{baseUrl}/embeddings` with that provider's key. Required when enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub embeddings_provider: Option<String>,
+    /// The embeddings model, as the provider names it (`modelMap` does not apply), for
+    /// example `text-embedding-3-small`. Required when enabled. Changing it empties the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub embeddings_model: Option<String>,
+    /// How long an entry is served. Default `5m`.
+    #[serde(default = "defaults::cache_ttl")]
+    pub ttl: DurationString,
+    /// Most entries kept, 1 to 10000; the oldest go first. A lookup compares the question
+    /// with every entry that shares its context, so this also bounds the cost of a lookup
+    /// (about 0.1 ms per 1000 entries of 1536 dimensions). Default 1000.
+    #[serde(default = "defaults::semantic_max_entries")]
+    pub max_entries: u64,
+    /// Most bytes kept: stored responses plus their embeddings. Default `64Mi`.
+    #[serde(default = "defaults::cache_max_bytes")]
+    pub max_bytes: ByteSize,
+    /// `tenant`: entries are shared only by requests with the same tenant header value
+    /// (`rateLimit.tenantHeader`); `shared`: by everyone using the route. Default `tenant`.
+    #[serde(default)]
+    pub scope: CacheScope,
+    /// Use the cache only for deterministic requests (`temperature: 0`) unless the client
+    /// sends `x-tailwarden-cache: force`. `false` uses it for every request. Default true.
+    #[serde(default = "defaults::yes")]
+    pub deterministic_only: bool,
+    /// Longest wait for the embeddings call. Past it the request goes upstream as if the
+    /// cache were off (and its answer is not stored). Default `2s`.
+    #[serde(default = "defaults::semantic_timeout")]
+    pub timeout: DurationString,
 }
 
 /// Who shares cache entries.
@@ -838,13 +927,14 @@ default_from_serde!(
     Hedging,
     CircuitBreaker,
     ExactCache,
+    SemanticCache,
     Streaming,
     Limits
 );
 
 /// Default values; each one is documented on its field.
 mod defaults {
-    use super::{ByteSize, DurationString, RetryOn};
+    use super::{ByteSize, Decimal, DurationString, RetryOn};
 
     pub fn yes() -> bool {
         true
@@ -938,6 +1028,18 @@ mod defaults {
     }
     pub fn cache_max_bytes() -> ByteSize {
         ByteSize::lit("64Mi")
+    }
+    pub fn semantic_threshold() -> Decimal {
+        match "0.92".parse() {
+            Ok(d) => d,
+            Err(e) => unreachable!("the default threshold parses: {e}"),
+        }
+    }
+    pub fn semantic_max_entries() -> u64 {
+        1000
+    }
+    pub fn semantic_timeout() -> DurationString {
+        DurationString::lit("2s")
     }
     pub fn max_body_bytes() -> ByteSize {
         ByteSize::lit("16Mi")

@@ -162,6 +162,23 @@ fn valid_routes_load() {
                 json!({"requestsPerSecond": 5, "tokensPerMinute": 20000, "maxConcurrent": 4}),
             );
         }),
+        ("semantic cache on a route provider", |d| {
+            set(
+                d,
+                "/spec/cache/semantic",
+                json!({"enabled": true, "embeddingsProvider": "backup",
+                       "embeddingsModel": "text-embedding-3-small", "threshold": "0.95",
+                       "ttl": "10m", "maxEntries": 500, "scope": "shared", "timeout": "500ms"}),
+            )
+        }),
+        ("semantic threshold of exactly 1", |d| {
+            set(
+                d,
+                "/spec/cache/semantic",
+                json!({"enabled": true, "embeddingsProvider": "primary",
+                       "embeddingsModel": "e", "threshold": "1.0"}),
+            )
+        }),
         ("capability rules", |d| {
             set(
                 d,
@@ -580,6 +597,67 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             "maxEntries must be at least 1",
         ),
         (
+            "semantic cache naming an unknown provider",
+            |d| {
+                set(
+                    d,
+                    "/spec/cache/semantic",
+                    json!({"enabled": true, "embeddingsProvider": "openai",
+                           "embeddingsModel": "text-embedding-3-small"}),
+                )
+            },
+            "spec.cache.semantic.embeddingsProvider",
+            "cache.semantic.embeddingsProvider must be the name of one of this route's providers",
+        ),
+        (
+            "semantic cache enabled without a model",
+            |d| {
+                set(
+                    d,
+                    "/spec/cache/semantic",
+                    json!({"enabled": true, "embeddingsProvider": "primary"}),
+                )
+            },
+            "spec.cache.semantic.embeddingsModel",
+            "embeddingsModel is required when the semantic cache is enabled",
+        ),
+        (
+            "semantic cache enabled without a provider",
+            |d| {
+                set(
+                    d,
+                    "/spec/cache/semantic",
+                    json!({"enabled": true, "embeddingsModel": "e"}),
+                )
+            },
+            "spec.cache.semantic.embeddingsProvider",
+            "embeddingsProvider is required when the semantic cache is enabled",
+        ),
+        (
+            "semantic threshold zero",
+            |d| set(d, "/spec/cache/semantic/threshold", json!("0.000")),
+            "spec.cache.semantic.threshold",
+            "threshold must be a decimal string above 0 and at most 1, such as \"0.92\"",
+        ),
+        (
+            "semantic threshold above one",
+            |d| set(d, "/spec/cache/semantic/threshold", json!("1.01")),
+            "spec.cache.semantic.threshold",
+            "threshold must be a decimal string above 0 and at most 1, such as \"0.92\"",
+        ),
+        (
+            "semantic zero timeout",
+            |d| set(d, "/spec/cache/semantic/timeout", json!("0s")),
+            "spec.cache.semantic.timeout",
+            "timeout must be greater than zero",
+        ),
+        (
+            "semantic too many entries",
+            |d| set(d, "/spec/cache/semantic/maxEntries", json!(10001)),
+            "spec.cache.semantic.maxEntries",
+            "maxEntries must be between 1 and 10000",
+        ),
+        (
             "heartbeat too frequent",
             |d| set(d, "/spec/streaming", json!({"heartbeatInterval": "100ms"})),
             "spec.streaming.heartbeatInterval",
@@ -809,6 +887,15 @@ fn defaults_make_a_minimal_route_complete() {
     assert!(spec.slo.is_none());
     assert!(spec.rate_limit.is_none());
     assert!(!spec.cache.exact.enabled);
+    let semantic = &spec.cache.semantic;
+    assert!(!semantic.enabled);
+    assert_eq!(semantic.threshold.as_str(), "0.92");
+    assert_eq!(semantic.ttl.get(), s(300));
+    assert_eq!(semantic.max_entries, 1000);
+    assert_eq!(semantic.timeout.get(), s(2));
+    assert!(semantic.deterministic_only);
+    assert_eq!(semantic.scope, tailwarden_crds::CacheScope::Tenant);
+    assert!(semantic.embeddings_provider.is_none() && semantic.embeddings_model.is_none());
     assert!(spec.streaming.include_usage);
     assert_eq!(spec.limits.max_body_bytes.get(), 16 << 20);
 

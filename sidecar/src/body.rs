@@ -22,10 +22,12 @@ use http::{HeaderValue, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
     accounting::Recorder,
     cache::{CacheFill, ReplayBody},
+    proxy::StreamVerdict,
     sse::{self, SseForwarder},
 };
 
@@ -167,6 +169,11 @@ pub struct Relay {
     /// Records the client-facing chunks for the exact cache (a cache miss of a cacheable
     /// request); committed only when the upstream body ended cleanly.
     cache_fill: Option<CacheFill>,
+    /// The provider's circuit breaker hears how a stream ended (dropped unreported when the
+    /// client leaves or the route's total deadline cuts it: no verdict on the provider).
+    verdict: Option<StreamVerdict>,
+    /// Resolves when the sidecar's drain time is up: the relay ends with an error.
+    drain_expired: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     /// Holds the provider's connection slot until the body ends or is dropped.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
@@ -199,8 +206,20 @@ impl Relay {
             total: Box::pin(tokio::time::sleep_until(deadline)),
             recorder,
             cache_fill,
+            verdict: None,
+            drain_expired: None,
             _permit: permit,
         }
+    }
+
+    /// Ends the relay with an error when `token` is cancelled (the drain timeout).
+    pub fn end_on(&mut self, token: CancellationToken) {
+        self.drain_expired = Some(Box::pin(token.cancelled_owned()));
+    }
+
+    /// Reports the stream's end to the provider's circuit breaker.
+    pub fn set_verdict(&mut self, verdict: Option<StreamVerdict>) {
+        self.verdict = verdict;
     }
 
     /// A chunk goes to the client: the cache records it too.
@@ -220,6 +239,11 @@ impl Relay {
         self.upstream = None;
         // Dropped uncommitted: a failed response is never cached.
         self.cache_fill = None;
+        if !matches!(code, "total_timeout" | "shutting_down")
+            && let Some(verdict) = self.verdict.as_mut()
+        {
+            verdict.failure();
+        }
         self.recorder.fail_mid_stream(code);
         if self.forwarder.is_some() {
             self.forwarder = None;
@@ -273,6 +297,16 @@ impl Body for ProxyBody {
             let Some(upstream) = relay.upstream.as_mut() else {
                 return Poll::Ready(None);
             };
+            if relay
+                .drain_expired
+                .as_mut()
+                .is_some_and(|d| d.as_mut().poll(cx).is_ready())
+            {
+                return relay.fail(
+                    "The sidecar is shutting down and its drain time ran out before the response ended.",
+                    "shutting_down",
+                );
+            }
             if relay.total.as_mut().poll(cx).is_ready() {
                 return relay.fail(
                     "The request exceeded its total deadline (spec.timeouts.total) while streaming.",
@@ -299,6 +333,9 @@ impl Body for ProxyBody {
                 Poll::Ready(None) => {
                     relay.upstream = None;
                     relay.recorder.finish_ok();
+                    if let Some(verdict) = relay.verdict.as_mut() {
+                        verdict.success();
+                    }
                     let mut rest = Bytes::new();
                     if let Some(forwarder) = relay.forwarder.as_mut() {
                         let recorder = &mut relay.recorder;

@@ -54,7 +54,11 @@ use serde_json::Value;
 use tailwarden_crds::CacheScope;
 use tokio::time::Instant;
 
-use crate::request::RequestBody;
+use crate::{
+    redis_backend::{BackendError, BackendSettings, RedisBackend},
+    request::RequestBody,
+    shared_cache::SharedCache,
+};
 
 /// Request members that cannot change the answer and stay out of the key.
 pub const IGNORED: &[&str] = &[
@@ -84,6 +88,10 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("tools", "[]"),
     ("encoding_format", r#""float""#),
 ];
+
+/// Longest wait for the shared store (`backend: redis`): past it a lookup is a miss, which
+/// costs a provider call, so it is short; a healthy Redis answers in well under 1 ms.
+pub const SHARED_LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// Largest single entry: bigger responses are not cached (`CacheFill` abandons them).
 pub const MAX_ENTRY_BYTES: usize = 8 << 20;
@@ -197,6 +205,32 @@ impl Entry {
         now.saturating_duration_since(self.stored_at).as_secs()
     }
 
+    /// A complete response recorded outside this cache (the semantic cache keeps its own
+    /// index), or `None` when it must not be stored: by the same rules as
+    /// [`CacheFill::commit`], only 2xx responses, and streams ending cleanly with `[DONE]`.
+    pub fn complete(
+        status: StatusCode,
+        content_type: Option<HeaderValue>,
+        chunks: Vec<Bytes>,
+        stream: bool,
+        ttl: Duration,
+    ) -> Option<Arc<Self>> {
+        if !status.is_success() || (stream && !clean_sse(&chunks)) {
+            return None;
+        }
+        let now = Instant::now();
+        let bytes = chunks.iter().map(Bytes::len).sum();
+        Some(Arc::new(Self {
+            status,
+            content_type,
+            chunks,
+            stream,
+            stored_at: now,
+            expires_at: now + ttl,
+            bytes,
+        }))
+    }
+
     /// A body that yields the stored chunks one by one.
     pub fn replay(self: &Arc<Self>) -> ReplayBody {
         ReplayBody {
@@ -268,6 +302,8 @@ pub struct CacheSettings {
     pub deterministic_only: bool,
     /// Header naming the tenant (the route's `rateLimit.tenantHeader`).
     pub tenant_header: Option<http::HeaderName>,
+    /// `host:port` of the Redis server shared by the route's replicas (`backend: redis`).
+    pub shared_address: Option<String>,
 }
 
 impl CacheSettings {
@@ -280,6 +316,10 @@ impl CacheSettings {
             deterministic_only: spec.deterministic_only,
             tenant_header: tenant_header
                 .and_then(|h| http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()),
+            shared_address: match (spec.backend, &spec.redis) {
+                (tailwarden_crds::Backend::Redis, Some(redis)) => Some(redis.address.clone()),
+                _ => None,
+            },
         }
     }
 }
@@ -291,6 +331,8 @@ pub struct ExactCache {
     max_entry_bytes: usize,
     store: Cache<[u8; 32], Arc<Entry>, ByBytes, DefaultHashBuilder>,
     stats: CacheStats,
+    /// The replicas' shared store behind this one (`backend: redis`).
+    shared: Option<Arc<SharedCache>>,
 }
 
 impl std::fmt::Debug for ExactCache {
@@ -337,7 +379,36 @@ impl ExactCache {
             max_entry_bytes,
             store,
             stats: CacheStats::default(),
+            shared: None,
         })
+    }
+
+    /// This cache in front of the replicas' shared store.
+    pub fn with_shared(
+        route: &str,
+        settings: CacheSettings,
+        shared: Arc<SharedCache>,
+    ) -> Arc<Self> {
+        let mut cache = Self::new(route, settings);
+        if let Some(c) = Arc::get_mut(&mut cache) {
+            c.shared = Some(shared);
+        }
+        cache
+    }
+
+    /// On a local miss: the replicas' shared store, if the route has one. A hit there is
+    /// kept locally for the rest of its time to live.
+    pub async fn get_shared(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+        if !key.read {
+            return None;
+        }
+        let shared = self.shared.as_ref()?;
+        let (entry, _ttl) = shared.get(key).await?;
+        if entry.len() <= self.max_entry_bytes {
+            self.store.insert(key.digest, entry.clone());
+        }
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        Some(entry)
     }
 
     pub fn settings(&self) -> &CacheSettings {
@@ -523,6 +594,13 @@ impl CacheFill {
             expires_at: now + cache.settings.ttl,
             bytes: self.bytes,
         });
+        if let Some(shared) = &cache.shared {
+            let key = CacheKey {
+                digest: self.digest,
+                read: true,
+            };
+            shared.put(&key, &entry, cache.settings.ttl);
+        }
         cache.store.insert(self.digest, entry);
         cache.stats.stores.fetch_add(1, Ordering::Relaxed);
         true
@@ -565,8 +643,9 @@ fn clean_sse(chunks: &[Bytes]) -> bool {
     last_data == Some("[DONE]") && text.ends_with('\n')
 }
 
-/// The members that go into the key, in name order, defaults dropped.
-fn canonical_members(
+/// The members that go into the key, in name order, defaults dropped (also the semantic
+/// cache's exact partition).
+pub fn canonical_members(
     body: &RequestBody<'_>,
     stream: bool,
 ) -> Result<Vec<(String, Value)>, NotCacheable> {
@@ -708,6 +787,9 @@ impl Write for Hasher {
 #[derive(Default)]
 pub struct Caches {
     routes: std::sync::Mutex<std::collections::HashMap<String, Arc<ExactCache>>>,
+    /// Redis connections of shared caches, by address.
+    backends: std::sync::Mutex<std::collections::HashMap<String, Arc<RedisBackend>>>,
+    errors_counter: Option<prometheus::IntCounter>,
 }
 
 impl std::fmt::Debug for Caches {
@@ -717,6 +799,14 @@ impl std::fmt::Debug for Caches {
 }
 
 impl Caches {
+    /// `errors_counter` counts failed calls to shared-cache backends.
+    pub fn new(errors_counter: Option<prometheus::IntCounter>) -> Self {
+        Self {
+            errors_counter,
+            ..Self::default()
+        }
+    }
+
     /// The cache of a route, reused when its settings are unchanged; `None` when disabled.
     /// `tenant_header` is the route's `rateLimit.tenantHeader` (for the `tenant` scope).
     pub fn for_route(
@@ -724,21 +814,43 @@ impl Caches {
         route: &str,
         spec: &tailwarden_crds::ExactCache,
         tenant_header: Option<&str>,
-    ) -> Option<Arc<ExactCache>> {
+    ) -> Result<Option<Arc<ExactCache>>, BackendError> {
         let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
         if !spec.enabled {
             routes.remove(route);
-            return None;
+            return Ok(None);
         }
         let settings = CacheSettings::from_spec(spec, tenant_header);
         if let Some(cache) = routes.get(route)
             && cache.settings == settings
         {
-            return Some(cache.clone());
+            return Ok(Some(cache.clone()));
         }
-        let cache = ExactCache::new(route, settings);
+        let cache = match &settings.shared_address {
+            None => ExactCache::new(route, settings),
+            Some(address) => {
+                let mut backends = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+                let backend = match backends.get(address) {
+                    Some(b) => b.clone(),
+                    None => {
+                        let b = Arc::new(RedisBackend::new(
+                            address,
+                            BackendSettings {
+                                op_timeout: SHARED_LOOKUP_TIMEOUT,
+                                ..BackendSettings::default()
+                            },
+                            self.errors_counter.clone(),
+                        )?);
+                        backends.insert(address.clone(), b.clone());
+                        b
+                    }
+                };
+                let shared = Arc::new(SharedCache::new(backend, route));
+                ExactCache::with_shared(route, settings, shared)
+            }
+        };
         routes.insert(route.to_owned(), cache.clone());
-        Some(cache)
+        Ok(Some(cache))
     }
 
     /// Forgets routes no longer in the config.

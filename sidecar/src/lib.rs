@@ -24,6 +24,7 @@ pub mod request;
 pub mod retry;
 pub mod routes;
 pub mod server;
+pub mod shared_cache;
 pub mod sse;
 pub mod telemetry;
 pub mod tiers;

@@ -155,7 +155,16 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!("shutdown requested: draining");
     app.draining.store(true, Ordering::SeqCst);
     let _ = stop_tx.send(true);
+    // End the streams still relaying with an error event shortly before the server gives up
+    // on them, so their clients read why the stream stopped rather than a cut connection.
+    let drain_expired = app.drain_expired.clone();
+    let margin = (args.drain_timeout / 10).min(Duration::from_millis(500));
+    let drain_guard = tokio::spawn(async move {
+        tokio::time::sleep(args.drain_timeout.saturating_sub(margin)).await;
+        drain_expired.cancel();
+    });
     let _ = server_task.await;
+    drain_guard.abort();
     watcher.abort();
     admin_task.abort();
     if let Some(t) = probe_task {

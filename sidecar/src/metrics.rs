@@ -55,6 +55,7 @@ pub struct Metrics {
     pub admission_rejected: IntCounterVec,
     pub queue_wait: HistogramVec,
     pub limit_backend_errors: IntCounter,
+    pub cache_backend_errors: IntCounter,
     pub cache_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
     pub cache_bytes: IntGaugeVec,
@@ -237,6 +238,10 @@ impl Metrics {
                 "tailwarden_rate_limit_backend_errors_total",
                 "Failed calls to the shared rate-limit backend (Redis); requests then follow rateLimit.redis.failMode.",
             )?,
+            cache_backend_errors: IntCounter::new(
+                "tailwarden_cache_backend_errors_total",
+                "Failed or timed-out calls to the shared cache backend (Redis); lookups then miss.",
+            )?,
             cache_requests: IntCounterVec::new(
                 Opts::new(
                     "tailwarden_cache_requests_total",
@@ -291,6 +296,8 @@ impl Metrics {
         m.registry
             .register(Box::new(m.limit_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_requests.clone()))?;
+        m.registry
+            .register(Box::new(m.cache_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_entries.clone()))?;
         m.registry.register(Box::new(m.cache_bytes.clone()))?;
         Ok(m)

@@ -59,6 +59,9 @@ pub struct App {
     /// Pools, limiters and caches kept across config reloads.
     pub registries: Registries,
     pub draining: AtomicBool,
+    /// Cancelled just before the drain timeout runs out: streams still relaying end with an
+    /// SSE error event instead of being cut mid-chunk when the process exits.
+    pub drain_expired: tokio_util::sync::CancellationToken,
     pub body_timeout: Duration,
     next_id: AtomicU64,
     status: std::sync::Mutex<ConfigStatus>,
@@ -77,6 +80,7 @@ impl App {
             metrics,
             registries,
             draining: AtomicBool::new(false),
+            drain_expired: tokio_util::sync::CancellationToken::new(),
             body_timeout: Duration::from_secs(30),
             next_id: AtomicU64::new(1),
             status: std::sync::Mutex::new(ConfigStatus::default()),
@@ -257,7 +261,10 @@ async fn proxy(
         None => CacheState::Off,
         Some(cache) => match cache.key(&body, suffix, model, &headers) {
             Err(reason) => CacheState::Bypass(reason),
-            Ok(key) => match cache.get(&key) {
+            Ok(key) => match match cache.get(&key) {
+                Some(local) => Some(local),
+                None => cache.get_shared(&key).await,
+            } {
                 Some(entry) => {
                     let response = cached_response(
                         app,
@@ -493,7 +500,7 @@ async fn respond(
                     for ev in &won.first_events {
                         recorder.on_sse_event(ev);
                     }
-                    ProxyBody::Relay(Box::new(Relay::new(
+                    let mut relay = Relay::new(
                         won.held,
                         Some(rest),
                         won.forwarder,
@@ -502,7 +509,10 @@ async fn respond(
                         recorder,
                         won.permit,
                         fill,
-                    )))
+                    );
+                    relay.set_verdict(won.verdict);
+                    relay.end_on(app.drain_expired.clone());
+                    ProxyBody::Relay(Box::new(relay))
                 }
             };
             let mut response = Response::new(body);
@@ -826,6 +836,7 @@ struct Won {
     first_events: Vec<SseEvent>,
     usage: Option<Usage>,
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    verdict: Option<StreamVerdict>,
     attempts: u32,
     hedged: bool,
     dispatch_delay: Duration,
@@ -964,7 +975,21 @@ async fn run(call: &Call<'_>) -> Outcome {
                 match result {
                     Ok(started) => {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, "ok"]).observe(elapsed.as_secs_f64());
-                        record_success(call, idx, permit, elapsed);
+                        // A stream's breaker verdict waits for its end.
+                        let verdict = if started.forwarder.is_some() && started.rest.is_some() {
+                            record_first_byte(call, idx, elapsed);
+                            Some(StreamVerdict {
+                                metrics: metrics.clone(),
+                                route: route.name.clone(),
+                                upstream: upstream.clone(),
+                                permit,
+                                first_byte: elapsed,
+                                span: call.span.clone(),
+                            })
+                        } else {
+                            record_success(call, idx, permit, elapsed);
+                            None
+                        };
                         if hedged {
                             let outcome = if hedge { "won" } else { "lost" };
                             metrics.hedges.with_label_values(&[&*route.name, outcome]).inc();
@@ -986,6 +1011,7 @@ async fn run(call: &Call<'_>) -> Outcome {
                             first_events: started.first_events,
                             usage: started.usage,
                             permit: started.permit,
+                            verdict,
                             attempts,
                             hedged,
                             dispatch_delay,
@@ -1142,12 +1168,79 @@ fn hedge_delay(route: &Route, idx: usize) -> Duration {
     crate::hedge::hedge_delay(route.settings.hedge_mode, observed, route.settings.slo_ttft)
 }
 
+/// The breaker's verdict on a stream, given when the stream ends: a provider that cuts its
+/// streams after the first event is failing even though every attempt "started" well.
+pub struct StreamVerdict {
+    metrics: Arc<Metrics>,
+    route: Arc<str>,
+    upstream: Arc<Upstream>,
+    permit: Option<Permit>,
+    first_byte: Duration,
+    span: Span,
+}
+
+impl StreamVerdict {
+    /// The stream ended cleanly.
+    pub fn success(&mut self) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        let jitter = rand::rng().random::<f64>();
+        let now = std_now();
+        let transition = self
+            .upstream
+            .breaker
+            .lock()
+            .ok()
+            .and_then(|mut b| b.on_success(permit, now, self.first_byte, jitter));
+        self.note(transition);
+    }
+
+    /// The provider failed the stream after its first event (reset, stall).
+    pub fn failure(&mut self) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        let jitter = rand::rng().random::<f64>();
+        let now = std_now();
+        let transition = self
+            .upstream
+            .breaker
+            .lock()
+            .ok()
+            .and_then(|mut b| b.on_failure(permit, now, jitter));
+        self.note(transition);
+    }
+
+    fn note(&self, transition: Option<Transition>) {
+        if let Some(t) = transition {
+            note_transition(&self.metrics, &self.route, &self.span, &self.upstream, &t);
+        }
+    }
+}
+
+impl Drop for StreamVerdict {
+    /// No verdict (the client left, the route's total deadline): the permit is released.
+    fn drop(&mut self) {
+        if let Some(permit) = self.permit.take()
+            && let Ok(mut b) = self.upstream.breaker.lock()
+        {
+            b.on_cancel(permit);
+        }
+    }
+}
+
+fn record_first_byte(call: &Call<'_>, idx: usize, elapsed: Duration) {
+    let now = std_now();
+    call.route.balancer.record_ttft(idx, now, elapsed);
+    call.route.upstreams[idx].ttft.record(now, elapsed);
+}
+
 fn record_success(call: &Call<'_>, idx: usize, permit: Option<Permit>, elapsed: Duration) {
     let route = call.route;
     let now = std_now();
     let upstream = &route.upstreams[idx];
-    route.balancer.record_ttft(idx, now, elapsed);
-    upstream.ttft.record(now, elapsed);
+    record_first_byte(call, idx, elapsed);
     let Some(permit) = permit else { return };
     let jitter = rand::rng().random::<f64>();
     let transition = upstream
@@ -1202,9 +1295,18 @@ fn record_failure(
 }
 
 fn log_transition(call: &Call<'_>, upstream: &Upstream, t: &Transition) {
-    let route = &call.route.name;
+    note_transition(&call.app.metrics, &call.route.name, call.span, upstream, t);
+}
+
+fn note_transition(
+    metrics: &Metrics,
+    route: &str,
+    span: &Span,
+    upstream: &Upstream,
+    t: &Transition,
+) {
     tracing::warn!(route = %route, provider = %upstream.name, from = t.from.as_str(), to = t.to.as_str(), reason = t.reason.as_str(), "circuit breaker transition");
-    telemetry::event_with(call.span, "breaker", || {
+    telemetry::event_with(span, "breaker", || {
         vec![
             KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
             KeyValue::new("tailwarden.breaker.from", t.from.as_str()),
@@ -1212,7 +1314,6 @@ fn log_transition(call: &Call<'_>, upstream: &Upstream, t: &Transition) {
             KeyValue::new("tailwarden.breaker.reason", t.reason.as_str()),
         ]
     });
-    let metrics = &call.app.metrics;
     metrics
         .breaker_transitions
         .with_label_values(&[route, &*upstream.name, t.to.as_str(), t.reason.as_str()])

@@ -1,5 +1,5 @@
-//! The shared rate-limit backend: token buckets kept in Redis, so that N sidecar replicas
-//! enforce one limit.
+//! The shared backend of rate limits and caches: token buckets (and cached responses) kept
+//! in Redis, so that N sidecar replicas enforce one limit (and share one cache).
 //!
 //! Each bucket is a Redis hash (`t`: tokens, `ts`: last update in µs, from Redis's own
 //! `TIME`, so replicas with skewed clocks agree) changed only by two Lua scripts, which run
@@ -66,6 +66,13 @@ end
 redis.call('HSET', KEYS[1], 't', string.format('%.4f', tokens), 'ts', string.format('%.0f', ts))
 redis.call('PEXPIRE', KEYS[1], math.ceil(period / 1000) * 2 + 1000)
 return {grant, wait, math.floor(math.max(0, tokens))}
+";
+
+/// A value and its remaining time to live in milliseconds, in one round trip.
+const GET_WITH_TTL: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then return {false, -2} end
+return {v, redis.call('PTTL', KEYS[1])}
 ";
 
 const GIVE: &str = r"
@@ -139,6 +146,7 @@ pub struct RedisBackend {
     settings: BackendSettings,
     take: Script,
     give: Script,
+    get_with_ttl: Script,
     conn: Mutex<Option<MultiplexedConnection>>,
     /// Serialises reconnects so that a burst of calls opens one connection.
     connecting: tokio::sync::Mutex<()>,
@@ -174,6 +182,7 @@ impl RedisBackend {
             settings,
             take: Script::new(TAKE),
             give: Script::new(GIVE),
+            get_with_ttl: Script::new(GET_WITH_TTL),
             conn: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
             down_until: Mutex::new(None),
@@ -260,6 +269,59 @@ impl RedisBackend {
         Ok(conn)
     }
 
+    /// Runs one command with the operation timeout; failures mark the backend down.
+    async fn run<T: redis::FromRedisValue>(&self, cmd: CommandKind<'_>) -> Result<T, BackendError> {
+        let result = async {
+            let mut conn = self.connection().await?;
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let call = async {
+                match cmd {
+                    CommandKind::Script(script, key) => {
+                        script.key(key).invoke_async(&mut conn).await
+                    }
+                    CommandKind::Cmd(cmd) => cmd.query_async(&mut conn).await,
+                }
+            };
+            match tokio::time::timeout(self.settings.op_timeout, call).await {
+                Err(_) => Err(BackendError::Timeout {
+                    address: self.address.clone(),
+                    timeout: self.settings.op_timeout,
+                }),
+                Ok(Err(e)) => Err(BackendError::Command {
+                    address: self.address.clone(),
+                    reason: e.to_string(),
+                }),
+                Ok(Ok(v)) => Ok(v),
+            }
+        }
+        .await;
+        result.map_err(|e| self.fail(e))
+    }
+
+    /// The value at `key` and its remaining time to live, if it exists.
+    pub async fn get_bytes(&self, key: &str) -> Result<Option<(Vec<u8>, Duration)>, BackendError> {
+        let (value, ttl_ms): (Option<Vec<u8>>, i64) = self
+            .run(CommandKind::Script(&self.get_with_ttl, key))
+            .await?;
+        Ok(value.map(|v| (v, Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(0)))))
+    }
+
+    /// Stores `value` at `key` for `ttl` (at least one millisecond).
+    pub async fn set_bytes(
+        &self,
+        key: &str,
+        value: &[u8],
+        ttl: Duration,
+    ) -> Result<(), BackendError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key)
+            .arg(value)
+            .arg("PX")
+            .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        let _: () = self.run(CommandKind::Cmd(&cmd)).await?;
+        Ok(())
+    }
+
     async fn invoke<T: redis::FromRedisValue>(
         &self,
         script: &Script,
@@ -314,4 +376,10 @@ impl RedisBackend {
         let _: i64 = self.invoke(&self.give, bucket, &[n]).await?;
         Ok(())
     }
+}
+
+/// A command for [`RedisBackend::run`].
+enum CommandKind<'a> {
+    Script(&'a Script, &'a str),
+    Cmd(&'a redis::Cmd),
 }

@@ -194,7 +194,7 @@ impl Registries {
         Self {
             pools: PoolCache::default(),
             limiters: Limiters::new(Some(metrics.limit_backend_errors.clone())),
-            caches: Caches::default(),
+            caches: Caches::new(Some(metrics.cache_backend_errors.clone())),
         }
     }
 }
@@ -243,6 +243,12 @@ pub enum CompileError {
     },
     #[error(transparent)]
     Limits(#[from] LimitConfigError),
+    #[error("route {route}: spec.cache.exact.redis: {source}")]
+    CacheBackend {
+        route: String,
+        #[source]
+        source: crate::redis_backend::BackendError,
+    },
 }
 
 impl RouteTable {
@@ -361,7 +367,11 @@ fn compile_route(
         .and_then(|r| r.tenant_header.as_deref());
     let cache = registries
         .caches
-        .for_route(&name, &spec.cache.exact, tenant_header);
+        .for_route(&name, &spec.cache.exact, tenant_header)
+        .map_err(|source| CompileError::CacheBackend {
+            route: name.to_string(),
+            source,
+        })?;
     let has_capabilities = spec.providers.iter().any(|p| !p.capabilities.is_empty());
     let slo_latency = spec
         .slo

@@ -24,6 +24,7 @@ fn settings() -> CacheSettings {
         scope: CacheScope::Tenant,
         deterministic_only: true,
         tenant_header: Some(http::HeaderName::from_static("x-tenant-id")),
+        shared_address: None,
     }
 }
 
@@ -506,20 +507,28 @@ fn caches_survive_reloads_when_unchanged() {
         serde_json::from_value(json!({"enabled": true})).unwrap();
     let a = caches
         .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap()
         .unwrap();
     let k = key(&a, BASE);
     assert!(store(&a, &k, b"{}"));
     let again = caches
         .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap()
         .unwrap();
     assert!(Arc::ptr_eq(&a, &again));
     assert!(again.get(&k).is_some(), "a reload keeps the entries");
     spec.ttl = "1m".parse().unwrap();
     let changed = caches
         .for_route("shop/chat", &spec, Some("x-tenant-id"))
+        .unwrap()
         .unwrap();
     assert!(!Arc::ptr_eq(&a, &changed));
     spec.enabled = false;
-    assert!(caches.for_route("shop/chat", &spec, None).is_none());
+    assert!(
+        caches
+            .for_route("shop/chat", &spec, None)
+            .unwrap()
+            .is_none()
+    );
     caches.retain(&[]);
 }

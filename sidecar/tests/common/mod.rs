@@ -1,6 +1,8 @@
 //! Test harness: scripted upstream providers and an in-process sidecar, over real loopback HTTP.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::{
     net::SocketAddr,
     sync::{
