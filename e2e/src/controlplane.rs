@@ -1,13 +1,16 @@
 //! A real local Kubernetes control plane for tests: kube-apiserver, etcd, controller-manager,
 //! scheduler and kwok on loopback, brought up by `e2e/controlplane/up.sh` and torn down when
 //! the [`ControlPlane`] is dropped — after a panic too, and (through up.sh's reaper) even if
-//! the test process is killed.
+//! the test process is killed. [`ControlPlane::restart_apiserver`] restarts the API server
+//! in place, for tests of what survives that.
 
 use std::{
     collections::BTreeMap,
     io::Write,
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    time::{Duration, Instant},
 };
 
 /// Why the control plane could not be used.
@@ -27,6 +30,19 @@ pub enum ControlPlaneError {
         #[source]
         source: std::io::Error,
     },
+    #[error("kube-apiserver restart: {0}")]
+    Restart(String),
+}
+
+/// How long a restart of the kube-apiserver took, each phase measured.
+#[derive(Debug, Clone, Copy)]
+pub struct ApiserverRestart {
+    /// From SIGTERM until the old process was gone (killed after 5 s).
+    pub stop: Duration,
+    /// How long it stayed down on purpose before the new process started.
+    pub down: Duration,
+    /// From starting the new process until `/readyz` answered `ok`.
+    pub start: Duration,
 }
 
 /// A running control plane. Fields come from up.sh's `env` file (`KUBECONFIG`, `HELM`,
@@ -160,6 +176,168 @@ impl ControlPlane {
         std::fs::write(&path, text)?;
         Ok(path)
     }
+
+    /// Restarts the kube-apiserver: SIGTERM to its process group (SIGKILL after 5 s: it stops
+    /// listening at once, then would wait up to a minute for open connections to drain), `down`
+    /// with no API server at all, then the same command line again — same port, certificates,
+    /// flags and etcd — until `/readyz` answers `ok` (within `timeout`). Clients keep their
+    /// kubeconfig; their connections and watches break, as in a real control-plane restart.
+    /// The new pid replaces the old one in `DIR/pids`, `DIR/env` and [`Self::env`], so drop,
+    /// `down.sh` and the reaper stop the new process. The other components are untouched.
+    pub fn restart_apiserver(
+        &mut self,
+        down: Duration,
+        timeout: Duration,
+    ) -> Result<ApiserverRestart, ControlPlaneError> {
+        let fail = |m: String| ControlPlaneError::Restart(m);
+        let old: u32 = self
+            .var("KUBE_APISERVER_PID")
+            .parse()
+            .map_err(|_| fail("no KUBE_APISERVER_PID in the env file".into()))?;
+        // The exact command line up.sh used (it may have retried on other ports).
+        let cmdline = std::fs::read(format!("/proc/{old}/cmdline"))
+            .map_err(|e| fail(format!("kube-apiserver (pid {old}) is not running: {e}")))?;
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let Some((program, args)) = args.split_first() else {
+            return Err(fail(format!("empty command line for pid {old}")));
+        };
+
+        let t = Instant::now();
+        signal_group("TERM", old);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while running(old) {
+            if Instant::now() > deadline {
+                signal_group("KILL", old);
+            }
+            if Instant::now() > deadline + Duration::from_secs(10) {
+                return Err(fail(format!("kube-apiserver (pid {old}) survived SIGKILL")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stop = t.elapsed();
+        std::thread::sleep(down);
+
+        let t = Instant::now();
+        let log_path = self.dir.join("logs/kube-apiserver.log");
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&log_path)
+            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+        let err_log = log
+            .try_clone()
+            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+        let child = Command::new(program)
+            .args(args)
+            // Its own process group, like up.sh's setsid: down.sh signals the group.
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log)
+            .spawn()
+            .map_err(|e| fail(format!("cannot start {program}: {e}")))?;
+        let new = child.id();
+        // Not waited for: it outlives this handle, like every component up.sh starts.
+        drop(child);
+        self.replace_pid(old, new)?;
+
+        let port = self.var("KUBE_APISERVER_PORT").to_owned();
+        let url = format!("https://127.0.0.1:{port}/readyz");
+        let deadline = Instant::now() + timeout;
+        loop {
+            let out = Command::new("curl")
+                .args([
+                    "-sf",
+                    "--max-time",
+                    "3",
+                    "--cacert",
+                    self.var("CA_CERT"),
+                    &url,
+                ])
+                .output();
+            if out.is_ok_and(|o| o.status.success() && o.stdout.trim_ascii() == b"ok") {
+                break;
+            }
+            if !running(new) {
+                return Err(fail(format!(
+                    "the new kube-apiserver (pid {new}) exited; see {}",
+                    log_path.display()
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(fail(format!(
+                    "not ready after {timeout:?}; see {}",
+                    log_path.display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(ApiserverRestart {
+            stop,
+            down,
+            start: t.elapsed(),
+        })
+    }
+
+    /// Records `new` as the kube-apiserver's pid wherever `old` was.
+    fn replace_pid(&mut self, old: u32, new: u32) -> Result<(), ControlPlaneError> {
+        for (file, from, to) in [
+            (
+                "pids",
+                format!("kube-apiserver {old}"),
+                format!("kube-apiserver {new}"),
+            ),
+            (
+                "env",
+                format!("KUBE_APISERVER_PID={old}"),
+                format!("KUBE_APISERVER_PID={new}"),
+            ),
+        ] {
+            let path = self.dir.join(file);
+            let text = std::fs::read_to_string(&path).map_err(|source| ControlPlaneError::Env {
+                path: path.display().to_string(),
+                source,
+            })?;
+            let text: String = text
+                .lines()
+                .map(|l| if l == from { to.as_str() } else { l })
+                .flat_map(|l| [l, "\n"])
+                .collect();
+            std::fs::write(&path, text).map_err(|source| ControlPlaneError::Env {
+                path: path.display().to_string(),
+                source,
+            })?;
+        }
+        self.env
+            .insert("KUBE_APISERVER_PID".into(), new.to_string());
+        Ok(())
+    }
+}
+
+/// Sends SIGsig to the process group `pgid` (falling back to the process alone).
+fn signal_group(sig: &str, pgid: u32) {
+    let group = Command::new("kill")
+        .args([&format!("-{sig}"), "--", &format!("-{pgid}")])
+        .stderr(Stdio::null())
+        .status();
+    if !group.is_ok_and(|s| s.success()) {
+        let _ = Command::new("kill")
+            .args([&format!("-{sig}"), &pgid.to_string()])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// Whether `pid` exists and is not a zombie.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+    })
 }
 
 impl Drop for ControlPlane {
