@@ -1,9 +1,10 @@
 //! The `InferenceRoute` controller: for each route, publish its rendered sidecar config as a
 //! ConfigMap it owns (server-side apply, fixed field manager) and report the truth in status.
 //!
-//! Triggers: route spec changes (a generation predicate, so our own status writes do not
-//! loop), the route's ConfigMap (edited by hand → put back), the Secrets it references
-//! (created, rotated, deleted → `ResolvedRefs`), and injected pods (→ `injectedPods`).
+//! Triggers: route spec changes (generations, so our own status writes do not loop) and the
+//! other routes of the namespace those changes may flip (see `triggers`), the route's
+//! ConfigMap (edited by hand → put back), the Secrets it references (created, rotated,
+//! deleted → `ResolvedRefs`), and injected pods (→ `injectedPods`).
 //! Errors are transient (API trouble: requeue with backoff) or permanent (an invalid spec:
 //! conditions False, wait for the next change).
 
@@ -13,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt, TryStreamExt};
 use k8s_openapi::{
     api::core::v1::{ConfigMap, Pod, Secret},
     apimachinery::pkg::apis::meta::v1::OwnerReference,
@@ -26,8 +27,8 @@ use kube::{
         Controller, WatchStreamExt,
         controller::Action,
         events::{Event, EventType, Recorder, Reporter},
-        predicates,
         reflector::{self, ObjectRef, Store},
+        utils::Backoff,
         watcher,
     },
 };
@@ -38,6 +39,7 @@ use crate::{
     consts,
     render::{self, SecretKeys},
     status::{self, ACCEPTED, Observation, Observed, READY, RESOLVED_REFS},
+    triggers::RouteTriggers,
 };
 
 /// Reconcile errors. All are transient: permanent problems (an invalid spec, a missing
@@ -312,8 +314,16 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
     if current != Some(&next) {
         let api: Api<InferenceRoute> = Api::namespaced(client.clone(), &ns);
         let patch = serde_json::json!({ "status": next });
-        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
+        match api
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            // Deleted while we reconciled it: nothing is left to report, and nothing failed
+            // (a ConfigMap we may just have written is garbage-collected with its owner).
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
+            Err(e) => return Err(e.into()),
+        }
         let reference = route.object_ref(&());
         for (kind, ok, reason, message) in status::transitions(current, &next) {
             let event = Event {
@@ -359,7 +369,10 @@ pub async fn run(
 ) {
     let (routes_store, routes_writer) = reflector::store();
     let routes_api: Api<InferenceRoute> = api_for(&client, namespace.as_deref());
-    let cm_api: Api<ConfigMap> = api_for(&client, namespace.as_deref());
+    let cm_api: Api<PartialObjectMeta<ConfigMap>> = match namespace.as_deref() {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
     // Metadata only: the controller never needs (or holds) key values to know a Secret changed.
     let secret_api: Api<PartialObjectMeta<Secret>> = match namespace.as_deref() {
         Some(ns) => Api::namespaced(client.clone(), ns),
@@ -370,19 +383,36 @@ pub async fn run(
     let (pods, pods_writer) = reflector::store();
     let injected = watcher::Config::default().labels(&format!("{}=true", consts::INJECTED_LABEL));
     let pod_stream = watcher(pod_api, injected)
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(pods_writer)
         .touched_objects();
 
+    // A route's own spec changes, and the routes whose acceptance they may flip (see
+    // `triggers`), looked up in the cache the reflector has just updated.
+    let mut triggers = RouteTriggers::default();
+    let triggers_store = routes_store.clone();
     let route_stream = watcher(routes_api, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(routes_writer)
-        .applied_objects()
-        .predicate_filter(predicates::generation, Default::default());
+        .map_ok(move |event| {
+            let refs = triggers.on_event(&event, || triggers_store.state());
+            let routes: Vec<_> = refs
+                .iter()
+                .filter_map(|r| triggers_store.get(r))
+                .map(|r| Ok((*r).clone()))
+                .collect();
+            futures_util::stream::iter(routes)
+        })
+        .try_flatten();
 
     let secrets_index = routes_store.clone();
     let secret_stream = watcher(secret_api, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
+        .touched_objects();
+    // The route's ConfigMap: edited or deleted by someone else → reconcile its owner.
+    let owned = watcher::Config::default().labels(consts::ROUTE_LABEL);
+    let cm_stream = watcher(cm_api, owned)
+        .backoff(WatchBackoff::default())
         .touched_objects();
 
     let ctx = Arc::new(Context {
@@ -392,10 +422,9 @@ pub async fn run(
         recorder: Recorder::new(client.clone(), reporter),
         metrics,
     });
-    let owned = watcher::Config::default().labels(consts::ROUTE_LABEL);
-    Controller::for_stream(route_stream, routes_store)
-        .owns(cm_api, owned)
-        .watches_stream(secret_stream, move |secret| {
+    Controller::for_stream(without_errors("routes", route_stream), routes_store)
+        .owns_stream(without_errors("configmaps", cm_stream))
+        .watches_stream(without_errors("secrets", secret_stream), move |secret| {
             let ns = secret.metadata.namespace.clone();
             let name = secret.metadata.name.clone().unwrap_or_default();
             secrets_index
@@ -405,7 +434,7 @@ pub async fn run(
                 .map(|r| ObjectRef::from_obj(&**r))
                 .collect::<Vec<_>>()
         })
-        .watches_stream(pod_stream, |pod: Pod| {
+        .watches_stream(without_errors("pods", pod_stream), |pod: Pod| {
             let ns = pod.metadata.namespace.clone().unwrap_or_default();
             pod.annotations()
                 .get(consts::INJECTED_ANNOTATION)
@@ -427,6 +456,63 @@ pub async fn run(
         .await;
 }
 
+/// Backoff of every watch the operator keeps: 0.5 s, doubling, at most 5 s, reset by the
+/// first event after an error. kube's default (client-go's: up to 30 s, plus jitter) is
+/// meant for thousands of kubelets hitting one API server; for a handful of operator
+/// watches it only delays recovery: after an API server restart a watch could sleep 30 s
+/// and then, on the `410 Gone` its resumed watch gets, another 30 s before re-listing.
+#[derive(Debug, Clone)]
+pub struct WatchBackoff {
+    next: Duration,
+}
+
+impl WatchBackoff {
+    pub const FIRST: Duration = Duration::from_millis(500);
+    pub const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        Self { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (delay * 2).min(Self::MAX);
+        Some(delay)
+    }
+}
+
+impl Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+/// A trigger stream with its errors logged and dropped. Each watch already backs off on
+/// its own errors ([`WatchBackoff`]); an error reaching the `Controller` would also put its
+/// one shared trigger backoff to sleep — every watch at once, for up to 30 s per error.
+/// After an API server restart each watch reports an error or two, and a route created
+/// then was not reconciled within 45 s (`tests/churn.rs`).
+fn without_errors<T>(
+    watch: &'static str,
+    stream: impl Stream<Item = Result<T, watcher::Error>>,
+) -> impl Stream<Item = Result<T, watcher::Error>> {
+    stream.filter_map(move |item| {
+        std::future::ready(match item {
+            Ok(obj) => Some(Ok(obj)),
+            Err(e) => {
+                tracing::warn!(watch, error = %e, "watch failed; retrying");
+                None
+            }
+        })
+    })
+}
+
 fn api_for<K>(client: &Client, namespace: Option<&str>) -> Api<K>
 where
     K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
@@ -434,5 +520,19 @@ where
     match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_backoff_doubles_to_five_seconds_and_resets() {
+        let mut b = WatchBackoff::default();
+        let ms: Vec<u128> = b.by_ref().take(6).map(|d| d.as_millis()).collect();
+        assert_eq!(ms, [500, 1000, 2000, 4000, 5000, 5000]);
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(500)));
     }
 }

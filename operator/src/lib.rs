@@ -1,8 +1,8 @@
 //! tailwarden-operator: the control plane. Reconciles `InferenceRoute`s into sidecar config
 //! ConfigMaps with status, and injects the sidecar into pods through a mutating webhook.
 //!
-//! Decisions are pure (`render`, `status`, `inject`); I/O lives in `controller`, `webhook`,
-//! `certs` and `leader`.
+//! Decisions are pure (`render`, `status`, `inject`, `triggers`); I/O lives in `controller`,
+//! `webhook`, `certs` and `leader`.
 
 pub mod certs;
 pub mod consts;
@@ -12,4 +12,5 @@ pub mod leader;
 pub mod render;
 pub mod run;
 pub mod status;
+pub mod triggers;
 pub mod webhook;

@@ -204,7 +204,7 @@ pub async fn run(
     let ns_api: Api<Namespace> = Api::all(client.clone());
     tokio::spawn(
         watcher(ns_api, watcher::Config::default())
-            .default_backoff()
+            .backoff(controller::WatchBackoff::default())
             .reflect(ns_writer)
             .for_each(|_| std::future::ready(())),
     );
@@ -212,7 +212,7 @@ pub async fn run(
     let routes_api: Api<InferenceRoute> = Api::all(client.clone());
     tokio::spawn(
         watcher(routes_api, watcher::Config::default())
-            .default_backoff()
+            .backoff(controller::WatchBackoff::default())
             .reflect(routes_writer)
             .for_each(|_| std::future::ready(())),
     );
