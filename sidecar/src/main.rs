@@ -44,6 +44,9 @@ struct Args {
     /// How long in-flight requests may take to finish after SIGTERM, e.g. 30s.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     drain_timeout: Duration,
+    /// Client connections served at once; more wait in the listen backlog.
+    #[arg(long, default_value_t = server::DEFAULT_MAX_CONNECTIONS, env = "TAILWARDEN_MAX_CONNECTIONS")]
+    max_connections: usize,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -144,11 +147,12 @@ async fn main() -> anyhow::Result<()> {
             std::future::pending(),
         ))
     });
-    let server_task = tokio::spawn(server::serve(
+    let server_task = tokio::spawn(server::serve_with_limit(
         listener,
         app.clone(),
         stopped(stop_rx.clone()),
         args.drain_timeout,
+        args.max_connections,
     ));
 
     shutdown_signal().await;
