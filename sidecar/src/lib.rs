@@ -23,6 +23,7 @@ pub mod reload;
 pub mod request;
 pub mod retry;
 pub mod routes;
+pub mod semantic;
 pub mod server;
 pub mod shared_cache;
 pub mod sse;
