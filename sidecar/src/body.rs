@@ -28,6 +28,7 @@ use crate::{
     accounting::Recorder,
     cache::{CacheFill, ReplayBody},
     proxy::StreamVerdict,
+    semantic::SemanticFill,
     sse::{self, SseForwarder},
 };
 
@@ -169,6 +170,8 @@ pub struct Relay {
     /// Records the client-facing chunks for the exact cache (a cache miss of a cacheable
     /// request); committed only when the upstream body ended cleanly.
     cache_fill: Option<CacheFill>,
+    /// The same for the semantic cache.
+    semantic_fill: Option<SemanticFill>,
     /// The provider's circuit breaker hears how a stream ended (dropped unreported when the
     /// client leaves or the route's total deadline cuts it: no verdict on the provider).
     verdict: Option<StreamVerdict>,
@@ -207,6 +210,7 @@ impl Relay {
             recorder,
             cache_fill,
             verdict: None,
+            semantic_fill: None,
             drain_expired: None,
             _permit: permit,
         }
@@ -217,6 +221,16 @@ impl Relay {
         self.drain_expired = Some(Box::pin(token.cancelled_owned()));
     }
 
+    /// Records what is sent for the semantic cache too.
+    pub fn set_semantic_fill(&mut self, mut fill: Option<SemanticFill>) {
+        if let Some(f) = fill.as_mut() {
+            for chunk in &self.held {
+                f.push(chunk);
+            }
+        }
+        self.semantic_fill = fill;
+    }
+
     /// Reports the stream's end to the provider's circuit breaker.
     pub fn set_verdict(&mut self, verdict: Option<StreamVerdict>) {
         self.verdict = verdict;
@@ -225,6 +239,9 @@ impl Relay {
     /// A chunk goes to the client: the cache records it too.
     fn emit(&mut self, chunk: Bytes) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         if let Some(fill) = self.cache_fill.as_mut() {
+            fill.push(&chunk);
+        }
+        if let Some(fill) = self.semantic_fill.as_mut() {
             fill.push(&chunk);
         }
         Poll::Ready(Some(Ok(Frame::data(chunk))))
@@ -239,6 +256,7 @@ impl Relay {
         self.upstream = None;
         // Dropped uncommitted: a failed response is never cached.
         self.cache_fill = None;
+        self.semantic_fill = None;
         if !matches!(code, "total_timeout" | "shutting_down")
             && let Some(verdict) = self.verdict.as_mut()
         {
@@ -342,6 +360,10 @@ impl Body for ProxyBody {
                         rest = forwarder.finish(|event| recorder.on_sse_event(&event));
                     }
                     if let Some(mut fill) = relay.cache_fill.take() {
+                        fill.push(&rest);
+                        fill.commit();
+                    }
+                    if let Some(mut fill) = relay.semantic_fill.take() {
                         fill.push(&rest);
                         fill.commit();
                     }

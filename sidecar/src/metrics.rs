@@ -57,6 +57,7 @@ pub struct Metrics {
     pub limit_backend_errors: IntCounter,
     pub cache_backend_errors: IntCounter,
     pub cache_requests: IntCounterVec,
+    pub semantic_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
     pub cache_bytes: IntGaugeVec,
     /// Serialises the per-config series' reset-and-set against each other.
@@ -249,6 +250,13 @@ impl Metrics {
                 ),
                 &["route", "result"],
             )?,
+            semantic_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_semantic_cache_requests_total",
+                    "Requests of routes with a semantic cache that reached it, by result: hit, miss, refused (a near match the guards turned down), error (the embeddings call failed).",
+                ),
+                &["route", "result"],
+            )?,
             cache_entries: IntGaugeVec::new(
                 Opts::new(
                     "tailwarden_cache_entries",
@@ -296,6 +304,7 @@ impl Metrics {
         m.registry
             .register(Box::new(m.limit_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_requests.clone()))?;
+        m.registry.register(Box::new(m.semantic_requests.clone()))?;
         m.registry
             .register(Box::new(m.cache_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_entries.clone()))?;

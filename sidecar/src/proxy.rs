@@ -42,6 +42,7 @@ use crate::{
     request::RequestBody,
     retry::{self, FailureKind},
     routes::{Registries, Route, RouteTable, Upstream},
+    semantic::{self, Lookup},
     sse::{SseEvent, SseForwarder},
     telemetry::{self, KeyValue},
 };
@@ -229,6 +230,8 @@ struct Prepared {
     tier: Option<usize>,
     cache: CacheState,
     admission: Option<AdmissionGuard>,
+    /// A semantic-cache miss of a comparable request: its answer may be stored.
+    semantic: Option<(semantic::Query, semantic::Embedding)>,
 }
 
 async fn proxy(
@@ -276,6 +279,8 @@ async fn proxy(
                         suffix,
                         arrived,
                         span,
+                        CacheAnswer::Exact,
+                        None,
                     );
                     return Ok(response);
                 }
@@ -321,11 +326,65 @@ async fn proxy(
             }
         }
     };
+    // The semantic cache, after admission: its embeddings call is bounded by the route's
+    // limits, and a hit gives its token reservation back (it used none).
+    let mut semantic_miss = None;
+    let mut admission = admission;
+    if let Some(sc) = &route.semantic
+        && let Ok(query) = sc.query(&body, suffix, model, &headers)
+        && let Some(embedder) = sc.upstream_in(route)
+    {
+        let remaining = (arrived + route.settings.total).saturating_duration_since(Instant::now());
+        let count = |result: &str| {
+            app.metrics
+                .semantic_requests
+                .with_label_values(&[&*route.name, result])
+                .inc();
+        };
+        let embedded = semantic::embed(
+            embedder,
+            &sc.settings().model,
+            &query.text,
+            sc.settings().timeout.min(remaining),
+        )
+        .await;
+        match embedded.ok().and_then(semantic::Embedding::new) {
+            None => count("error"),
+            Some(embedding) => match sc.lookup(&query, &embedding) {
+                Lookup::Hit { similarity, entry } => {
+                    count("hit");
+                    return Ok(cached_response(
+                        app,
+                        route,
+                        &entry,
+                        &body,
+                        &request_id,
+                        tier,
+                        suffix,
+                        arrived,
+                        span,
+                        CacheAnswer::Semantic(similarity),
+                        admission.take(),
+                    ));
+                }
+                Lookup::Miss => {
+                    count("miss");
+                    semantic_miss = Some((query, embedding));
+                }
+                Lookup::Refused { similarity, reason } => {
+                    count("refused");
+                    tracing::debug!(route = %route.name, similarity, reason = reason.as_str(), "semantic near match refused by a guard");
+                    semantic_miss = Some((query, embedding));
+                }
+            },
+        }
+    }
     let prepared = Prepared {
         request_id,
         tier,
         cache,
         admission,
+        semantic: semantic_miss,
     };
 
     let heartbeat = route
@@ -378,6 +437,7 @@ async fn respond(
         tier,
         cache,
         admission,
+        semantic: semantic_miss,
     } = prepared;
     let tier = tier.and_then(|i| route.tier_set.tiers().get(i));
     let model = tier.map_or(body.model.as_ref(), |t| t.model.as_str());
@@ -475,6 +535,12 @@ async fn respond(
             recorder.set_admission(admission);
             let fill = cache_key
                 .and_then(|(key, store)| store.fill(&key, won.status, &won.headers, stream));
+            let semantic_fill = match (&route.semantic, &semantic_miss) {
+                (Some(sc), Some((query, embedding))) => {
+                    sc.fill(query, embedding, won.status, &won.headers)
+                }
+                _ => None,
+            };
             let body = match won.rest {
                 None => {
                     if let Some(usage) = won.usage {
@@ -491,6 +557,10 @@ async fn respond(
                     drop(recorder);
                     let whole = concat(won.held);
                     if let Some(mut fill) = fill {
+                        fill.push(&whole);
+                        fill.commit();
+                    }
+                    if let Some(mut fill) = semantic_fill {
                         fill.push(&whole);
                         fill.commit();
                     }
@@ -511,6 +581,7 @@ async fn respond(
                         fill,
                     );
                     relay.set_verdict(won.verdict);
+                    relay.set_semantic_fill(semantic_fill);
                     relay.end_on(app.drain_expired.clone());
                     ProxyBody::Relay(Box::new(relay))
                 }
@@ -642,11 +713,15 @@ fn cached_response(
     suffix: &'static str,
     arrived: Instant,
     span: &Span,
+    answer: CacheAnswer,
+    admission: Option<AdmissionGuard>,
 ) -> Response<ProxyBody> {
-    app.metrics
-        .cache_requests
-        .with_label_values(&[&*route.name, "hit"])
-        .inc();
+    if answer == CacheAnswer::Exact {
+        app.metrics
+            .cache_requests
+            .with_label_values(&[&*route.name, "hit"])
+            .inc();
+    }
     let tier = tier.and_then(|i| route.tier_set.tiers().get(i));
     let stream = body.stream && suffix != "/embeddings";
     let mut info = request_info(
@@ -660,9 +735,16 @@ fn cached_response(
         span,
         entry.status.as_u16(),
     );
-    info.cache = Some("hit");
+    let label = match answer {
+        CacheAnswer::Exact => "hit",
+        CacheAnswer::Semantic(_) => semantic::HIT_HEADER_VALUE,
+    };
+    info.cache = Some(label);
     info.provider = Arc::from("cache");
-    drop(Recorder::finished(info, None));
+    let mut recorder = Recorder::finished(info, None);
+    // Nothing was used: the reservation goes back whole.
+    recorder.set_admission(admission);
+    drop(recorder);
     let payload = if entry.stream {
         ProxyBody::Replay(entry.replay())
     } else {
@@ -678,13 +760,28 @@ fn cached_response(
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     }
     headers.insert(header::AGE, HeaderValue::from(entry.age(Instant::now())));
+    if let CacheAnswer::Semantic(similarity) = answer {
+        set_header(
+            headers,
+            semantic::SIMILARITY_HEADER,
+            &format!("{similarity:.4}"),
+        );
+    }
     finish_headers(
         &mut response,
         request_id,
         tier.map(|t| &*t.name),
-        Some("hit"),
+        Some(label),
     );
     response
+}
+
+/// Which cache answered.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum CacheAnswer {
+    Exact,
+    /// With the cosine similarity of the two questions.
+    Semantic(f32),
 }
 
 /// The sidecar's own 429/503 for a request over one of the route's limits: `Retry-After`,

@@ -174,6 +174,8 @@ pub struct Route {
     pub limiter: Option<Arc<RouteLimiter>>,
     /// The exact cache (`cache.exact`), kept across reloads while unchanged.
     pub cache: Option<Arc<ExactCache>>,
+    /// The semantic cache (`cache.semantic`), kept across reloads while unchanged.
+    pub semantic: Option<Arc<crate::semantic::SemanticCache>>,
     /// Whether any provider has capability rules (skips the per-request check otherwise).
     pub has_capabilities: bool,
 }
@@ -186,6 +188,7 @@ pub struct Registries {
     pub pools: PoolCache,
     pub limiters: Limiters,
     pub caches: Caches,
+    pub semantic: crate::semantic::SemanticCaches,
 }
 
 impl Registries {
@@ -195,6 +198,7 @@ impl Registries {
             pools: PoolCache::default(),
             limiters: Limiters::new(Some(metrics.limit_backend_errors.clone())),
             caches: Caches::new(Some(metrics.cache_backend_errors.clone())),
+            semantic: crate::semantic::SemanticCaches::default(),
         }
     }
 }
@@ -277,6 +281,7 @@ impl RouteTable {
         let names: Vec<&str> = table.routes.iter().map(|r| &*r.name).collect();
         registries.limiters.retain(&names);
         registries.caches.retain(&names);
+        registries.semantic.retain(&names);
         table.source = routes;
         Ok(table)
     }
@@ -372,6 +377,7 @@ fn compile_route(
             route: name.to_string(),
             source,
         })?;
+    let semantic = registries.semantic.for_route(&name, spec);
     let has_capabilities = spec.providers.iter().any(|p| !p.capabilities.is_empty());
     let slo_latency = spec
         .slo
@@ -403,6 +409,7 @@ fn compile_route(
         tier_set,
         limiter,
         cache,
+        semantic,
         has_capabilities,
         name,
         spec: spec.clone(),

@@ -18,7 +18,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use common::{Script, TempDir, upstream};
+use common::{Script, TempDir, ok, post, route, sidecar, upstream};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
 use tailwarden_sidecar::{
@@ -472,4 +472,80 @@ async fn lookup_cost() {
         std::hint::black_box(std::hint::black_box(a).similarity(std::hint::black_box(b)));
     }
     println!("one {DIMS}-dim similarity, hot: {:?}", start.elapsed() / n);
+}
+
+/// Through the request path: a paraphrase is served from the semantic cache with its
+/// similarity; the same question with "not" inserted goes to the provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_the_proxy_a_paraphrase_hits_and_a_negation_goes_upstream() {
+    let chats = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = chats.clone();
+    let up = upstream(move |_, body| {
+        if body.contains("\"input\"") {
+            embeddings_answer(body)
+        } else {
+            let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            ok(&format!("answer {n}"))
+        }
+    })
+    .await;
+    let sc = sidecar(&route(
+        &[("p", &up.base_url(), 100, 0)],
+        "  cache:\n    semantic: {enabled: true, embeddingsProvider: p, embeddingsModel: e, scope: shared}\n",
+    ))
+    .await;
+    let ask = |q: &str| {
+        serde_json::json!({"model": "m", "temperature": 0, "messages": [{"role": "user", "content": q}]})
+            .to_string()
+    };
+    let first = post(
+        &sc,
+        "/v1/chat/completions",
+        &ask("Is Paris the capital of France?"),
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    assert_ne!(first.header("x-tailwarden-cache"), "semantic-hit");
+    let again = post(
+        &sc,
+        "/v1/chat/completions",
+        &ask("is paris the capital of france"),
+    )
+    .await;
+    assert_eq!(
+        again.header("x-tailwarden-cache"),
+        "semantic-hit",
+        "{}",
+        again.body
+    );
+    let similarity: f32 = again
+        .header("x-tailwarden-cache-similarity")
+        .parse()
+        .unwrap();
+    assert!(similarity >= 0.92, "{similarity}");
+    assert_eq!(again.body, first.body, "the stored answer");
+    assert_eq!(chats.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let negated = post(
+        &sc,
+        "/v1/chat/completions",
+        &ask("Is Paris not the capital of France?"),
+    )
+    .await;
+    assert_eq!(negated.status, 200);
+    assert_ne!(negated.header("x-tailwarden-cache"), "semantic-hit");
+    assert_eq!(
+        chats.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the provider answered it"
+    );
+    let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
+    for (result, n) in [("hit", 1), ("miss", 1), ("refused", 1)] {
+        assert!(
+            metrics.contains(&format!(
+                "tailwarden_semantic_cache_requests_total{{result=\"{result}\",route=\"t/test\"}} {n}"
+            )),
+            "{result}: {metrics}"
+        );
+    }
 }
