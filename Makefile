@@ -133,3 +133,14 @@ fuzz-deps: $(CACHE)/cargo-fuzz/.installed-$(CARGO_FUZZ_VERSION)
 $(CACHE)/cargo-fuzz/.installed-$(CARGO_FUZZ_VERSION):
 	$(CARGO) install --locked --root $(CACHE)/cargo-fuzz cargo-fuzz --version $(CARGO_FUZZ_VERSION)
 	touch $@
+
+## soak: SOAK_MINUTES (default 30) of steady open-loop load through the release sidecar in
+## front of two `flaky` simulated providers; samples the sidecar's RSS and open fds and reports
+## the growth (target: RSS under 5 %, fds flat). Not part of `make test`. Report in .cache/soak/.
+SOAK_MINUTES ?= 30
+.PHONY: soak
+soak:
+	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
+	mkdir -p $(CACHE)/soak
+	$(TARGET_DIR)/release/tailwarden-soak --minutes $(SOAK_MINUTES) --workdir $(CACHE)/soak \
+	  --report $(CACHE)/soak/report.txt $(SOAK_ARGS)
