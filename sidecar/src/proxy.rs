@@ -1072,7 +1072,10 @@ async fn run(call: &Call<'_>) -> Outcome {
                 match result {
                     Ok(started) => {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, "ok"]).observe(elapsed.as_secs_f64());
-                        // A stream's breaker verdict waits for its end.
+                        // A stream's breaker verdict waits for its end, so a provider that
+                        // cuts its streams opens its breaker; half-open probes too (a probe
+                        // judged at its first event would close the breaker of a provider
+                        // that still cuts every stream, and it would flap).
                         let verdict = if started.forwarder.is_some() && started.rest.is_some() {
                             record_first_byte(call, idx, elapsed);
                             Some(StreamVerdict {
