@@ -62,6 +62,15 @@ impl CapabilityMap {
         self.rules.is_empty()
     }
 
+    /// Whether `param` may be sent to `provider_model`: no rule lists it as unsupported.
+    /// For parameters the sidecar itself adds (`stream_options` for stream usage).
+    pub fn supports(&self, provider_model: &str, param: &str) -> bool {
+        !self.rules.iter().any(|r| {
+            (r.models.is_empty() || r.models.iter().any(|m| m == provider_model))
+                && r.unsupported.iter().any(|u| u == param)
+        })
+    }
+
     /// The decision for a request to `provider_model` (after `modelMap`) of provider
     /// `provider`, given the request's top-level members. Every rule whose `models` include
     /// the model applies; any rejected parameter that is present (and not `null`) rejects.
@@ -142,4 +151,24 @@ pub fn no_provider_supports(route: &str, params: &[String], reasons: &[String]) 
     let mut e = ApiError::bad_request(message);
     e.code = Some("unsupported_parameter");
     e
+}
+
+#[cfg(test)]
+mod supports_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_parameter_listed_for_the_model_is_not_supported() {
+        let rules: Vec<CapabilityRule> = serde_json::from_value(serde_json::json!([
+            {"models": ["small"], "unsupported": ["stream_options"]},
+            {"unsupported": ["logprobs"], "onUnsupported": "reject"}
+        ]))
+        .unwrap();
+        let map = CapabilityMap::new(&rules);
+        assert!(!map.supports("small", "stream_options"));
+        assert!(map.supports("large", "stream_options"));
+        assert!(!map.supports("large", "logprobs"));
+        assert!(CapabilityMap::default().supports("any", "stream_options"));
+    }
 }

@@ -1601,6 +1601,12 @@ async fn attempt_inner(
     .map_err(|_| failure(FailureKind::Connect, "connection pool closed"))?;
 
     let provider_model = upstream.provider_model(call.model);
+    // The usage request is the sidecar's own parameter: never sent to a provider whose
+    // capability rules say it does not take `stream_options` (its usage is estimated).
+    let add_usage = call.strip_usage
+        && upstream
+            .capabilities
+            .supports(provider_model, "stream_options");
     let rewritten = match call.decisions.get(idx) {
         Some(Decision::Drop(params)) => {
             call.app
@@ -1610,9 +1616,9 @@ async fn attempt_inner(
                 .inc();
             let params: Vec<&str> = params.iter().map(String::as_str).collect();
             call.body
-                .rewrite_dropping(provider_model, call.strip_usage, &params)
+                .rewrite_dropping(provider_model, add_usage, &params)
         }
-        _ => call.body.rewrite(provider_model, call.strip_usage),
+        _ => call.body.rewrite(provider_model, add_usage),
     };
     let body = match rewritten {
         Some(bytes) => Bytes::from(bytes),

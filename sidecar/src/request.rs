@@ -146,10 +146,15 @@ impl<'a> RequestBody<'a> {
     }
 
     /// [`rewrite`](Self::rewrite) that also leaves out the named top-level members (the
-    /// parameters a provider does not support, see `capabilities`).
+    /// parameters a provider does not support, see `capabilities`). A provider that does
+    /// not support `stream_options` is not asked for the usage chunk either (its usage is
+    /// then estimated).
     pub fn rewrite_dropping(&self, model: &str, add_usage: bool, drop: &[&str]) -> Option<Vec<u8>> {
         let change_model = model != self.model;
-        let change_usage = add_usage && self.stream && !self.client_wants_usage;
+        let change_usage = add_usage
+            && self.stream
+            && !self.client_wants_usage
+            && !drop.contains(&"stream_options");
         let dropping = self.members.iter().any(|(k, _)| drop.contains(&k.as_ref()));
         if !change_model && !change_usage && !dropping {
             return None;
@@ -207,6 +212,19 @@ mod tests {
         assert_eq!(r.model, "gpt-4.1");
         assert!(r.stream);
         assert!(!r.client_wants_usage);
+    }
+
+    #[test]
+    fn a_dropped_stream_options_is_not_added_back_for_usage() {
+        let body = br#"{"model":"m","stream":true,"stream_options":{"include_usage":false},"messages":[]}"#;
+        let r = RequestBody::parse(body).unwrap();
+        let out = r.rewrite_dropping("m", true, &["stream_options"]).unwrap();
+        assert_eq!(out, br#"{"model":"m","stream":true,"messages":[]}"#);
+        let bare = RequestBody::parse(br#"{"model":"m","stream":true,"messages":[]}"#).unwrap();
+        assert!(
+            bare.rewrite_dropping("m", true, &["stream_options"])
+                .is_none()
+        );
     }
 
     #[test]

@@ -370,7 +370,7 @@ spec:
     baseUrl: '{}'
     priority: 0
     capabilities:
-    - {{unsupported: [response_format, logprobs], onUnsupported: drop}}
+    - {{unsupported: [response_format, logprobs, stream_options], onUnsupported: drop}}
     - {{unsupported: [tools], onUnsupported: reject}}
   - name: cloud
     baseUrl: '{}'
@@ -395,6 +395,12 @@ spec:
     let seen: serde_json::Value = serde_json::from_str(&seen).unwrap();
     assert!(seen.get("response_format").is_none(), "{seen}");
     assert_eq!(seen["temperature"], 0);
+
+    // The sidecar does not add the stream usage request for a provider without
+    // stream_options support either (that stream's usage is estimated).
+    send(&sc, &request(true, ""), &[]).await;
+    let seen = local.seen.lock().unwrap().last().unwrap().body.clone();
+    assert!(!seen.contains("stream_options"), "{seen}");
 
     // tools: the local provider rejects them, so the cloud one takes the request as sent.
     let tools = request(
