@@ -835,10 +835,7 @@ impl Caches {
                     None => {
                         let b = Arc::new(RedisBackend::new(
                             address,
-                            BackendSettings {
-                                op_timeout: SHARED_LOOKUP_TIMEOUT,
-                                ..BackendSettings::default()
-                            },
+                            BackendSettings::default(),
                             self.errors_counter.clone(),
                         )?);
                         backends.insert(address.clone(), b.clone());

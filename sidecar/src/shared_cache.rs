@@ -5,9 +5,10 @@
 //! trip); Redis is asked only on a local miss, and a Redis hit is copied into the local
 //! cache for the rest of its time to live. Stores happen in the background after the
 //! response was sent, so Redis is never on the path of a miss's bytes. Entries expire in
-//! Redis by `PX` (the route's `ttl`). Redis being slow or down only costs hits: a failed or
-//! timed-out lookup is a miss (after a failure, lookups fail fast for a second rather than
-//! each waiting for the timeout), counted in `tailwarden_cache_backend_errors_total`.
+//! Redis by `PX` (the route's `ttl`). Redis being slow or down only costs hits: a lookup
+//! that takes longer than `SHARED_LOOKUP_TIMEOUT` (50 ms) is a miss, and a failed call
+//! (counted in `tailwarden_cache_backend_errors_total`) makes lookups fail fast for a second
+//! rather than each waiting.
 //!
 //! The value is a small binary envelope, versioned so that a format change reads as a miss
 //! rather than garbage: magic `TWC1`, status (u16), flags (bit 0: stream), content type
@@ -20,7 +21,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
 
 use crate::{
-    cache::{CacheKey, Entry},
+    cache::{CacheKey, Entry, SHARED_LOOKUP_TIMEOUT},
     redis_backend::RedisBackend,
 };
 
@@ -51,7 +52,17 @@ impl SharedCache {
     /// The stored response, if another replica (or this one) stored it and it has not
     /// expired. Failures are misses.
     pub async fn get(&self, key: &CacheKey) -> Option<(Arc<Entry>, Duration)> {
-        let (value, ttl) = self.backend.get_bytes(&self.redis_key(key)).await.ok()??;
+        // The call runs as its own task: when the lookup gives up after
+        // `SHARED_LOOKUP_TIMEOUT`, a connection being set up (or a slow answer) still
+        // completes for the next request, instead of being abandoned every time.
+        let backend = self.backend.clone();
+        let redis_key = self.redis_key(key);
+        let call = tokio::spawn(async move { backend.get_bytes(&redis_key).await });
+        let (value, ttl) = tokio::time::timeout(SHARED_LOOKUP_TIMEOUT, call)
+            .await
+            .ok()?
+            .ok()?
+            .ok()??;
         if ttl.is_zero() {
             return None;
         }
