@@ -43,8 +43,8 @@ struct Args {
     /// Load before the measured window; RSS "at start" is the first sample after it.
     // The first minutes are the sidecar reaching its working size (upstream pools at their
     // peak concurrency, allocator arenas, metric series): in a run with a 60 s warm-up, RSS
-    // rose 2.6 % between the first and the second minute of load, then moved between 22.1
-    // and 23.4 MiB for the remaining 28 minutes, so a 60 s start point measured the ramp.
+    // rose 2.6 % between the first and the second minute of load, then moved between 21.6
+    // and 22.8 MiB for the remaining 28 minutes, so a 60 s start point measured the ramp.
     #[arg(long, value_parser = parse_duration, default_value = "5m")]
     warmup: Duration,
     /// Time between samples.
