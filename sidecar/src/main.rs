@@ -14,6 +14,12 @@ use tailwarden_sidecar::{
 };
 use tokio::sync::watch;
 
+// jemalloc rather than glibc malloc: after a load peak glibc keeps the freed memory in its
+// arenas, so RSS only ever ratchets up (+5-7 % over a 30-minute soak with a flat heap), and a
+// sidecar's memory limit is sized on RSS. jemalloc purges freed pages after a short decay.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "tailwarden-sidecar",
