@@ -333,18 +333,41 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
 }
 
 fn parse_vmrss_kib(status: &str) -> Option<u64> {
+    status_field(status, "VmRSS:")
+}
+
+/// A numeric field of the text of `/proc/PID/status` (`VmRSS:`, `RssAnon:`, `Threads:`), in
+/// the unit the file gives it (kB for memory).
+pub fn status_field(status: &str, field: &str) -> Option<u64> {
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
 
 /// Sum of `VmRSS` over process group `pgid`, in KiB; `None` when no member could be read.
 pub fn group_rss_kib(pgid: u32) -> Option<u64> {
+    sum_over_group(pgid, rss_kib)
+}
+
+/// `RssAnon` of one process in KiB: the memory it allocated itself (heap, stacks), as opposed
+/// to pages of mapped files (its code), which every process running the same binary from the
+/// same file shares through the page cache.
+pub fn anon_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status_field(&status, "RssAnon:")
+}
+
+/// Sum of `RssAnon` over process group `pgid`, in KiB; `None` when no member could be read.
+pub fn group_anon_rss_kib(pgid: u32) -> Option<u64> {
+    sum_over_group(pgid, anon_rss_kib)
+}
+
+fn sum_over_group(pgid: u32, per_process: fn(u32) -> Option<u64>) -> Option<u64> {
     let values: Vec<u64> = group_members(pgid)
         .into_iter()
-        .filter_map(rss_kib)
+        .filter_map(per_process)
         .collect();
     (!values.is_empty()).then(|| values.iter().sum())
 }
@@ -394,6 +417,9 @@ mod tests {
         let status = "Name:\tnginx\nVmPeak:\t  10000 kB\nVmRSS:\t    5120 kB\nThreads:\t1\n";
         assert_eq!(parse_vmrss_kib(status), Some(5120));
         assert_eq!(parse_vmrss_kib("Name: x\n"), None);
+        let status = "VmRSS:\t   17000 kB\nRssAnon:\t    4100 kB\nRssFile:\t   12900 kB\n";
+        assert_eq!(status_field(status, "RssAnon:"), Some(4100));
+        assert_eq!(status_field(status, "RssFile:"), Some(12900));
     }
 
     #[test]

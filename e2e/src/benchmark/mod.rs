@@ -134,6 +134,9 @@ pub struct TargetResult {
     pub saturation: Option<Report>,
     /// RSS after start-up and two smoke requests, KiB.
     pub rss_idle_kib: Option<u64>,
+    /// The anonymous part of `rss_idle_kib` (heap, stacks): what each further copy of the
+    /// proxy costs, since code pages of the same binary are shared through the page cache.
+    pub rss_idle_anon_kib: Option<u64>,
     /// Highest RSS sampled during the runs, KiB.
     pub rss_peak_kib: Option<u64>,
     /// Processes in the proxy's process group.
@@ -154,6 +157,7 @@ impl TargetResult {
             stream: None,
             saturation: None,
             rss_idle_kib: None,
+            rss_idle_anon_kib: None,
             rss_peak_kib: None,
             processes: 0,
             notes: Vec::new(),
@@ -473,6 +477,7 @@ fn measure_target(
     std::thread::sleep(Duration::from_secs(1));
     let pgid = launched.process.pgid();
     res.rss_idle_kib = pgid.and_then(crate::proc::group_rss_kib);
+    res.rss_idle_anon_kib = pgid.and_then(crate::proc::group_anon_rss_kib);
     let mut sampler = RssSampler::start(pgid);
     let mut peak: Option<u64> = None;
     let run = |cfg: BenchConfig, what: &str| -> Option<Report> {

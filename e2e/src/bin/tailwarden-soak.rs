@@ -282,14 +282,7 @@ async fn sample(pid: u32, admin: SocketAddr, started: Instant) -> Option<Sample>
     let rss_kib = rss_kib(pid)?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let field = |name: &str| tailwarden_e2e::proc::status_field(&status, name).unwrap_or(0);
     let (threads, anon_kib, file_kib) = (field("Threads:"), field("RssAnon:"), field("RssFile:"));
     let in_flight = tokio::task::spawn_blocking(move || {
         tailwarden_e2e::fetch::get(admin, "/metrics", Duration::from_secs(2))
