@@ -112,6 +112,10 @@ fn defaults_render_a_hardened_operator_with_least_privilege() {
     assert!(a.contains(&"--leader-elect=true".to_owned()));
     assert!(a.contains(&"--sidecar-image=ghcr.io/tailwarden/sidecar:0.1.0".to_owned()));
     assert!(
+        a.contains(&"--sidecar-max-connections=2000".to_owned()),
+        "{a:?}"
+    );
+    assert!(
         a.iter().any(|x| x.starts_with("--sidecar-resources={")),
         "{a:?}"
     );
@@ -336,6 +340,18 @@ fn two_watched_namespaces_get_roles_instead_of_cluster_wide_rights() {
 }
 
 #[test]
+fn the_sidecar_connection_cap_reaches_the_operator_as_an_integer() {
+    // Helm reads numbers as floats: without `int` a million would render as 1e+06, which the
+    // operator's flag parser rejects.
+    let docs = render(&["--set", "sidecar.maxConnections=1000000"]).unwrap();
+    let a = args(one(&docs, "Deployment"));
+    assert!(
+        a.contains(&"--sidecar-max-connections=1000000".to_owned()),
+        "{a:?}"
+    );
+}
+
+#[test]
 fn bad_values_are_rejected_by_the_schema_with_a_clear_message() {
     let cases = [
         (
@@ -364,6 +380,10 @@ fn bad_values_are_rejected_by_the_schema_with_a_clear_message() {
                 "monitoring.prometheusRule.availabilityObjective=101",
             ],
             "availabilityObjective",
+        ),
+        (
+            vec!["--set", "sidecar.maxConnections=0"],
+            "/sidecar/maxConnections",
         ),
     ];
     for (args, want) in cases {

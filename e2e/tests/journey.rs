@@ -127,6 +127,8 @@ impl Journey {
             "127.0.0.1",
             "--sidecar-image",
             "ghcr.io/tailwarden/sidecar:0.1.0",
+            // The chart's default.
+            "--sidecar-max-connections=2000",
         ])
         .env("KUBECONFIG", kubeconfig)
         .env("POD_NAMESPACE", NS)
@@ -298,6 +300,13 @@ fn the_user_journey_on_a_real_control_plane() {
     assert_eq!(init["image"], "ghcr.io/tailwarden/sidecar:0.1.0");
     assert_eq!(init["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(init["startupProbe"]["httpGet"]["path"], "/readyz");
+    let sidecar_args = init["args"].as_array().unwrap();
+    assert!(
+        sidecar_args
+            .windows(2)
+            .any(|w| w[0] == "--max-connections" && w[1] == "2000"),
+        "{sidecar_args:?}"
+    );
     let env = pod["spec"]["containers"][0]["env"].as_array().unwrap();
     assert!(
         env.iter()

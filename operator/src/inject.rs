@@ -62,6 +62,10 @@ pub struct InjectConfig {
     pub log_format: String,
     /// The sidecar's log filter (`TAILWARDEN_LOG`), e.g. `info`; the sidecar's default when `None`.
     pub log_filter: Option<String>,
+    /// The sidecar's `--max-connections`: client connections it serves at once. Each idle one
+    /// holds 16-25 KiB, so this is what keeps a connection-leaking app from pushing the
+    /// sidecar past its memory limit. The sidecar's default (10 000) when `None`.
+    pub max_connections: Option<u32>,
 }
 
 impl InjectConfig {
@@ -73,6 +77,7 @@ impl InjectConfig {
             resources: None,
             log_format: "json".to_owned(),
             log_filter: None,
+            max_connections: None,
         }
     }
 }
@@ -343,6 +348,9 @@ pub fn sidecar_container(has_keys: bool, cfg: &InjectConfig) -> Value {
         },
         "volumeMounts": mounts,
     });
+    if let (Some(max), Some(args)) = (cfg.max_connections, container["args"].as_array_mut()) {
+        args.extend([json!("--max-connections"), json!(max.to_string())]);
+    }
     if let Some(policy) = &cfg.image_pull_policy {
         container["imagePullPolicy"] = json!(policy);
     }
@@ -519,6 +527,7 @@ mod tests {
             .unwrap(),
             log_format: "json".to_owned(),
             log_filter: None,
+            max_connections: Some(2000),
         }
     }
 
@@ -845,6 +854,7 @@ mod tests {
                 "--admin", "127.0.0.1:15090",
                 "--probe-listen", "0.0.0.0:15091",
                 "--log-format", "json",
+                "--max-connections", "2000",
             ],
             "ports": [{ "name": "tw-probe", "containerPort": 15091, "protocol": "TCP" }],
             "startupProbe": { "httpGet": { "path": "/readyz", "port": 15091 }, "periodSeconds": 1, "failureThreshold": 120 },
@@ -1011,6 +1021,7 @@ mod tests {
         config.image_pull_policy = None;
         config.resources = None;
         config.log_filter = Some("debug".to_owned());
+        config.max_connections = None;
         let got = inject_into(
             pod,
             &labels(None),
@@ -1026,6 +1037,13 @@ mod tests {
         let sidecar = &got["spec"]["initContainers"][0];
         assert_eq!(sidecar["volumeMounts"].as_array().unwrap().len(), 1);
         assert!(sidecar.get("imagePullPolicy").is_none() && sidecar.get("resources").is_none());
+        // No cap configured: the sidecar's own default applies.
+        assert!(
+            !sidecar["args"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("--max-connections"))
+        );
         assert_eq!(
             sidecar["env"],
             json!([{ "name": "TAILWARDEN_LOG", "value": "debug" }])

@@ -96,6 +96,10 @@ struct RunArgs {
     /// Sidecar log filter (TAILWARDEN_LOG), e.g. info.
     #[arg(long)]
     sidecar_log_level: Option<String>,
+    /// Client connections one sidecar serves at once (its --max-connections); the sidecar's
+    /// default, 10 000, when not given.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    sidecar_max_connections: Option<u32>,
 }
 
 async fn shutdown_signal() {
@@ -124,6 +128,7 @@ fn settings(args: RunArgs) -> anyhow::Result<Settings> {
     inject.image_pull_policy = args.sidecar_image_pull_policy;
     inject.resources = resources;
     inject.log_filter = args.sidecar_log_level;
+    inject.max_connections = args.sidecar_max_connections;
     Ok(Settings {
         namespace: args.namespace,
         identity: args.identity,
