@@ -328,12 +328,13 @@ fn parse_stat_pgrp_state(stat: &str) -> Option<(u32, char)> {
 
 /// `VmRSS` of one process in KiB.
 pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    parse_vmrss_kib(&status)
+    process_status_field(pid, "VmRSS:")
 }
 
-fn parse_vmrss_kib(status: &str) -> Option<u64> {
-    status_field(status, "VmRSS:")
+/// One numeric field of `/proc/PID/status`.
+fn process_status_field(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status_field(&status, field)
 }
 
 /// A numeric field of the text of `/proc/PID/status` (`VmRSS:`, `RssAnon:`, `Threads:`), in
@@ -355,8 +356,7 @@ pub fn group_rss_kib(pgid: u32) -> Option<u64> {
 /// to pages of mapped files (its code), which every process running the same binary from the
 /// same file shares through the page cache.
 pub fn anon_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status_field(&status, "RssAnon:")
+    process_status_field(pid, "RssAnon:")
 }
 
 /// Sum of `RssAnon` over process group `pgid`, in KiB; `None` when no member could be read.
@@ -415,8 +415,8 @@ mod tests {
     #[test]
     fn vmrss_is_read_in_kib() {
         let status = "Name:\tnginx\nVmPeak:\t  10000 kB\nVmRSS:\t    5120 kB\nThreads:\t1\n";
-        assert_eq!(parse_vmrss_kib(status), Some(5120));
-        assert_eq!(parse_vmrss_kib("Name: x\n"), None);
+        assert_eq!(status_field(status, "VmRSS:"), Some(5120));
+        assert_eq!(status_field("Name: x\n", "VmRSS:"), None);
         let status = "VmRSS:\t   17000 kB\nRssAnon:\t    4100 kB\nRssFile:\t   12900 kB\n";
         assert_eq!(status_field(status, "RssAnon:"), Some(4100));
         assert_eq!(status_field(status, "RssFile:"), Some(12900));

@@ -321,17 +321,26 @@ pub fn sidecar_container(has_keys: bool, cfg: &InjectConfig) -> Value {
         mounts.push(json!({ "name": KEYS_VOLUME, "mountPath": KEYS_DIR, "readOnly": true }));
     }
 
+    let mut args = vec![
+        "--config".to_owned(),
+        CONFIG_DIR.to_owned(),
+        "--listen".to_owned(),
+        format!("127.0.0.1:{CLIENT_PORT}"),
+        "--admin".to_owned(),
+        format!("127.0.0.1:{ADMIN_PORT}"),
+        "--probe-listen".to_owned(),
+        format!("0.0.0.0:{PROBE_PORT}"),
+        "--log-format".to_owned(),
+        cfg.log_format.clone(),
+    ];
+    if let Some(max) = cfg.max_connections {
+        args.extend(["--max-connections".to_owned(), max.to_string()]);
+    }
     let mut container = json!({
         "name": SIDECAR_CONTAINER,
         "image": cfg.image,
         "restartPolicy": "Always",
-        "args": [
-            "--config", CONFIG_DIR,
-            "--listen", format!("127.0.0.1:{CLIENT_PORT}"),
-            "--admin", format!("127.0.0.1:{ADMIN_PORT}"),
-            "--probe-listen", format!("0.0.0.0:{PROBE_PORT}"),
-            "--log-format", cfg.log_format,
-        ],
+        "args": args,
         "ports": [{ "name": PROBE_PORT_NAME, "containerPort": PROBE_PORT, "protocol": "TCP" }],
         "startupProbe": startup,
         "readinessProbe": readiness,
@@ -348,9 +357,6 @@ pub fn sidecar_container(has_keys: bool, cfg: &InjectConfig) -> Value {
         },
         "volumeMounts": mounts,
     });
-    if let (Some(max), Some(args)) = (cfg.max_connections, container["args"].as_array_mut()) {
-        args.extend([json!("--max-connections"), json!(max.to_string())]);
-    }
     if let Some(policy) = &cfg.image_pull_policy {
         container["imagePullPolicy"] = json!(policy);
     }

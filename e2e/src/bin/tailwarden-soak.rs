@@ -25,7 +25,7 @@ use clap::Parser;
 use tailwarden_e2e::bench::{self, BenchConfig, Report};
 use tailwarden_e2e::duration::parse_duration;
 use tailwarden_e2e::machine::Machine;
-use tailwarden_e2e::proc::{rss_kib, termination_signal};
+use tailwarden_e2e::proc::termination_signal;
 use tailwarden_e2e::sidecar::{self, Sidecar};
 use tailwarden_e2e::sim::{Profile, SimHandle, SimServer};
 use tokio::sync::watch;
@@ -279,11 +279,13 @@ fn run(args: &Args, profile: &Profile, sidecar_bin: &Path) -> anyhow::Result<(St
 
 /// Reads the sidecar's RSS, fds, threads and in-flight gauge.
 async fn sample(pid: u32, admin: SocketAddr, started: Instant) -> Option<Sample> {
-    let rss_kib = rss_kib(pid)?;
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
+    // One read of the status file, so RSS and its two parts come from the same moment.
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| tailwarden_e2e::proc::status_field(&status, name).unwrap_or(0);
-    let (threads, anon_kib, file_kib) = (field("Threads:"), field("RssAnon:"), field("RssFile:"));
+    let field = |name: &str| tailwarden_e2e::proc::status_field(&status, name);
+    let rss_kib = field("VmRSS:")?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
+    let [threads, anon_kib, file_kib] =
+        ["Threads:", "RssAnon:", "RssFile:"].map(|name| field(name).unwrap_or(0));
     let in_flight = tokio::task::spawn_blocking(move || {
         tailwarden_e2e::fetch::get(admin, "/metrics", Duration::from_secs(2))
             .ok()
