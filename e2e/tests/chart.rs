@@ -145,7 +145,7 @@ fn defaults_render_a_hardened_operator_with_least_privilege() {
         "{excluded:?}"
     );
 
-    // RBAC: one ClusterRole; secrets read-only; ConfigMaps never deleted; the webhook
+    // RBAC: one ClusterRole; no Secret access at all; ConfigMaps never deleted; the webhook
     // configuration patchable only by name.
     let role = one(&docs, "ClusterRole");
     let rules = role["rules"].as_array().unwrap();
@@ -169,7 +169,15 @@ fn defaults_render_a_hardened_operator_with_least_privilege() {
             })
             .collect()
     };
-    assert_eq!(verbs("", "secrets"), ["get", "list", "watch"]);
+    assert!(
+        verbs("", "secrets").is_empty(),
+        "no cluster-wide Secret access"
+    );
+    assert!(!a.iter().any(|x| x.starts_with("--secret-namespaces")));
+    assert!(
+        !a.iter().any(|x| x.starts_with("--sidecar-otel")),
+        "tracing off by default"
+    );
     assert!(!verbs("", "configmaps").contains(&"delete".to_owned()));
     assert_eq!(verbs("", "pods"), ["list", "watch"]);
     assert_eq!(
@@ -192,6 +200,25 @@ fn defaults_render_a_hardened_operator_with_least_privilege() {
         .find(|r| r["metadata"]["name"] == "tw-tailwarden-operator-self")
         .unwrap();
     assert_eq!(self_role["metadata"]["namespace"], "tailwarden-system");
+    // ... and there, Secrets only by the TLS Secret's name (create cannot be limited).
+    let secret_rules: Vec<&Value> = self_role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["resources"][0] == "secrets")
+        .collect();
+    assert_eq!(secret_rules.len(), 2, "{secret_rules:?}");
+    assert_eq!(secret_rules[0]["verbs"], serde_json::json!(["create"]));
+    assert_eq!(
+        secret_rules[1]["resourceNames"],
+        serde_json::json!(["tw-tailwarden-webhook-tls"])
+    );
+    // No Role anywhere else reads Secrets by default.
+    assert!(
+        find(&docs, "Role")
+            .iter()
+            .all(|r| r["metadata"]["name"] == "tw-tailwarden-operator-self")
+    );
     // Monitoring is off by default (it needs prometheus-operator's CRDs).
     for kind in [
         "ServiceMonitor",
@@ -340,6 +367,75 @@ fn two_watched_namespaces_get_roles_instead_of_cluster_wide_rights() {
 }
 
 #[test]
+fn secret_access_is_a_role_in_each_opted_in_namespace_only() {
+    let docs = render(&["--set", "operator.secretAccess.namespaces={shop,ml}"]).unwrap();
+    let roles: Vec<&Value> = find(&docs, "Role")
+        .into_iter()
+        .filter(|r| r["metadata"]["name"] == "tw-tailwarden-operator-secrets")
+        .collect();
+    let ns: Vec<&str> = roles
+        .iter()
+        .map(|r| r["metadata"]["namespace"].as_str().unwrap())
+        .collect();
+    assert_eq!(ns, ["shop", "ml"]);
+    assert_eq!(
+        roles[0]["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch"]}])
+    );
+    let bindings: Vec<&Value> = find(&docs, "RoleBinding")
+        .into_iter()
+        .filter(|r| r["metadata"]["name"] == "tw-tailwarden-operator-secrets")
+        .collect();
+    assert_eq!(bindings.len(), 2);
+    assert_eq!(bindings[1]["subjects"][0]["name"], "tw-tailwarden-operator");
+    assert_eq!(bindings[1]["subjects"][0]["namespace"], "tailwarden-system");
+    assert!(args(one(&docs, "Deployment")).contains(&"--secret-namespaces=shop,ml".to_owned()));
+    // Still nothing cluster-wide.
+    let cluster = one(&docs, "ClusterRole");
+    assert!(
+        !cluster["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["resources"][0] == "secrets")
+    );
+}
+
+#[test]
+fn the_otel_values_reach_the_operator_flags() {
+    let docs = render(&[
+        "--set",
+        "sidecar.otel.endpoint=http://otel-collector.monitoring:4317",
+        "--set",
+        "sidecar.otel.protocol=grpc",
+        "--set",
+        "sidecar.otel.headersSecret.name=otlp-auth",
+        "--set",
+        "sidecar.otel.samplingRatio=0.25",
+        "--set",
+        "sidecar.otel.resourceAttributes.deployment\\.environment\\.name=prod",
+    ])
+    .unwrap();
+    let a = args(one(&docs, "Deployment"));
+    let otel: Vec<&str> = a
+        .iter()
+        .filter(|x| x.starts_with("--sidecar-otel"))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        otel,
+        [
+            "--sidecar-otel-endpoint=http://otel-collector.monitoring:4317",
+            "--sidecar-otel-protocol=grpc",
+            "--sidecar-otel-headers-secret=otlp-auth",
+            "--sidecar-otel-headers-key=headers",
+            "--sidecar-otel-sampling-ratio=0.25",
+            "--sidecar-otel-resource-attribute=deployment.environment.name=prod",
+        ]
+    );
+}
+
+#[test]
 fn the_sidecar_connection_cap_reaches_the_operator_as_an_integer() {
     // Helm reads numbers as floats: without `int` a million would render as 1e+06, which the
     // operator's flag parser rejects.
@@ -384,6 +480,26 @@ fn bad_values_are_rejected_by_the_schema_with_a_clear_message() {
         (
             vec!["--set", "sidecar.maxConnections=0"],
             "/sidecar/maxConnections",
+        ),
+        (
+            vec!["--set", "operator.secretAccess.namespaces={Bad_NS}"],
+            "/operator/secretAccess/namespaces/0",
+        ),
+        (
+            vec!["--set", "sidecar.otel.protocol=udp"],
+            "/sidecar/otel/protocol",
+        ),
+        (
+            vec!["--set", "sidecar.otel.samplingRatio=1.5"],
+            "/sidecar/otel/samplingRatio",
+        ),
+        (
+            vec!["--set", "sidecar.otel.endpoint=collector:4317"],
+            "/sidecar/otel/endpoint",
+        ),
+        (
+            vec!["--set", "sidecar.otel.resourceAttributes.team=a b"],
+            "/sidecar/otel/resourceAttributes/team",
         ),
     ];
     for (args, want) in cases {

@@ -3,13 +3,14 @@
 //!
 //! Triggers: route spec changes (generations, so our own status writes do not loop) and the
 //! other routes of the namespace those changes may flip (see `triggers`), the route's
-//! ConfigMap (edited by hand → put back), the Secrets it references (created, rotated,
-//! deleted → `ResolvedRefs`), and injected pods (→ `injectedPods`).
+//! ConfigMap (edited by hand → put back), the Secrets it references in the namespaces the
+//! operator may read Secrets in (created, rotated, deleted → `ResolvedRefs`; see
+//! [`SecretAccess`]), and injected pods (→ `injectedPods`).
 //! Errors are transient (API trouble: requeue with backoff) or permanent (an invalid spec:
 //! conditions False, wait for the next change).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -38,7 +39,7 @@ use tailwarden_crds::InferenceRoute;
 use crate::{
     consts,
     render::{self, SecretKeys},
-    status::{self, ACCEPTED, Observation, Observed, READY, RESOLVED_REFS},
+    status::{self, ACCEPTED, Observation, Observed, READY},
     triggers::RouteTriggers,
 };
 
@@ -108,9 +109,44 @@ impl Metrics {
     }
 }
 
+/// Where the operator may read Secrets. `list` on Secrets returns their values (RBAC has no
+/// "metadata only" verb), so by default the operator holds no Secret access outside its own
+/// namespace: it renders and publishes routes without looking, and `ResolvedRefs` is
+/// `Unknown` (the sidecar skips a provider whose key file is missing either way). Where a
+/// platform team opts a namespace in (a RoleBinding there), the operator checks the keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SecretAccess {
+    namespaces: BTreeSet<String>,
+}
+
+impl SecretAccess {
+    /// Read access in these namespaces only.
+    pub fn new(namespaces: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            namespaces: namespaces.into_iter().collect(),
+        }
+    }
+
+    /// Whether the operator may read Secrets in `namespace`.
+    pub fn readable(&self, namespace: &str) -> bool {
+        self.namespaces.contains(namespace)
+    }
+
+    /// The namespaces whose Secrets to watch for a controller of `scope` (one namespace, or
+    /// all when `None`).
+    fn watched(&self, scope: Option<&str>) -> Vec<String> {
+        self.namespaces
+            .iter()
+            .filter(|ns| scope.is_none_or(|s| s == ns.as_str()))
+            .cloned()
+            .collect()
+    }
+}
+
 /// What reconcile needs.
 pub struct Context {
     pub client: Client,
+    pub secret_access: SecretAccess,
     pub routes: Store<InferenceRoute>,
     pub pods: Store<Pod>,
     pub recorder: Recorder,
@@ -240,27 +276,20 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
         Observed::new(ACCEPTED, false, reason, problems.join("; "))
     };
 
-    let secrets = secret_keys(client, &ns, route).await?;
-    let desired = render::desired(route, &secrets)?;
-    let resolved = if desired.missing.is_empty() {
-        Observed::new(
-            RESOLVED_REFS,
-            true,
-            "AllResolved",
-            "Every referenced Secret key exists.",
-        )
+    // Secrets are read only where the operator was granted it; elsewhere nothing is asked
+    // (no Forbidden in the audit log per reconcile) and the keys stay unchecked.
+    let readable = ctx.secret_access.readable(&ns);
+    let secrets = if readable {
+        secret_keys(client, &ns, route).await?
     } else {
-        Observed::new(
-            RESOLVED_REFS,
-            false,
-            "SecretMissing",
-            desired.missing.join("; "),
-        )
+        SecretKeys::new()
     };
+    let desired = render::desired(route, &secrets)?;
+    let resolved = status::resolved_refs(&ns, &desired, readable);
 
     // Publish only an accepted config: otherwise the sidecars keep the last good one.
     let mut published = false;
-    if accepted.ok
+    if accepted.ok()
         && let Some(cm) = config_map(route, &desired)
     {
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
@@ -269,8 +298,8 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
             .await?;
         published = true;
     }
-    let ready = match (accepted.ok, resolved.ok, published) {
-        (true, true, true) => Observed::new(
+    let ready = match (accepted.ok(), resolved.failed(), published) {
+        (true, false, true) => Observed::new(
             READY,
             true,
             "Published",
@@ -286,7 +315,7 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
             "NotAccepted",
             "The route is not accepted; see Accepted.",
         ),
-        (true, false, _) => Observed::new(
+        (true, true, _) => Observed::new(
             READY,
             false,
             "RefsNotResolved",
@@ -295,7 +324,7 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
                 desired.missing.join("; ")
             ),
         ),
-        (true, true, false) => Observed::new(
+        (true, false, false) => Observed::new(
             READY,
             false,
             "NotPublished",
@@ -325,14 +354,18 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
             Err(e) => return Err(e.into()),
         }
         let reference = route.object_ref(&());
-        for (kind, ok, reason, message) in status::transitions(current, &next) {
+        for (kind, truth, reason, message) in status::transitions(current, &next) {
             let event = Event {
-                type_: if ok {
-                    EventType::Normal
-                } else {
+                type_: if truth == "False" {
                     EventType::Warning
+                } else {
+                    EventType::Normal
                 },
-                reason: format!("{kind}{}", if ok { "" } else { "False" }),
+                reason: if truth == "True" {
+                    kind
+                } else {
+                    format!("{kind}{truth}")
+                },
                 note: Some(format!("{reason}: {message}").chars().take(1000).collect()),
                 action: "Reconcile".into(),
                 secondary: None,
@@ -342,8 +375,8 @@ async fn reconcile_inner(route: &InferenceRoute, ctx: &Context) -> Result<Action
             }
         }
     }
-    if !next.conditions.iter().all(|c| c.status == "True") {
-        tracing::info!(namespace = %ns, route = %name, "route not ready: {}", next.conditions.iter().filter(|c| c.status != "True").map(|c| format!("{}={} ({})", c.type_, c.reason, c.message)).collect::<Vec<_>>().join(", "));
+    if next.conditions.iter().any(|c| c.status == "False") {
+        tracing::info!(namespace = %ns, route = %name, "route not ready: {}", next.conditions.iter().filter(|c| c.status == "False").map(|c| format!("{}={} ({})", c.type_, c.reason, c.message)).collect::<Vec<_>>().join(", "));
     }
     // Periodic resync as a safety net for missed watch events.
     Ok(Action::requeue(Duration::from_secs(300)))
@@ -363,6 +396,7 @@ pub fn error_policy(route: Arc<InferenceRoute>, error: &Error, ctx: Arc<Context>
 pub async fn run(
     client: Client,
     namespace: Option<String>,
+    secret_access: SecretAccess,
     metrics: Metrics,
     reporter: Reporter,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
@@ -370,11 +404,6 @@ pub async fn run(
     let (routes_store, routes_writer) = reflector::store();
     let routes_api: Api<InferenceRoute> = api_for(&client, namespace.as_deref());
     let cm_api: Api<PartialObjectMeta<ConfigMap>> = match namespace.as_deref() {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    // Metadata only: the controller never needs (or holds) key values to know a Secret changed.
-    let secret_api: Api<PartialObjectMeta<Secret>> = match namespace.as_deref() {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
@@ -405,10 +434,19 @@ pub async fn run(
         })
         .try_flatten();
 
-    let secrets_index = routes_store.clone();
-    let secret_stream = watcher(secret_api, watcher::Config::default())
-        .backoff(WatchBackoff::default())
-        .touched_objects();
+    // Secrets only in the namespaces the operator may read them in, one watch each, and
+    // metadata only: a changed Secret is all the controller needs to know.
+    let secret_watches: Vec<_> = secret_access
+        .watched(namespace.as_deref())
+        .into_iter()
+        .map(|ns| {
+            let api: Api<PartialObjectMeta<Secret>> = Api::namespaced(client.clone(), &ns);
+            watcher(api, watcher::Config::default())
+                .backoff(WatchBackoff::default())
+                .touched_objects()
+                .boxed()
+        })
+        .collect();
     // The route's ConfigMap: edited or deleted by someone else → reconcile its owner.
     let owned = watcher::Config::default().labels(consts::ROUTE_LABEL);
     let cm_stream = watcher(cm_api, owned)
@@ -417,23 +455,33 @@ pub async fn run(
 
     let ctx = Arc::new(Context {
         client: client.clone(),
+        secret_access,
         routes: routes_store.clone(),
         pods: pods.clone(),
         recorder: Recorder::new(client.clone(), reporter),
         metrics,
     });
-    Controller::for_stream(without_errors("routes", route_stream), routes_store)
-        .owns_stream(without_errors("configmaps", cm_stream))
-        .watches_stream(without_errors("secrets", secret_stream), move |secret| {
-            let ns = secret.metadata.namespace.clone();
-            let name = secret.metadata.name.clone().unwrap_or_default();
-            secrets_index
-                .state()
-                .iter()
-                .filter(|r| r.metadata.namespace == ns && referenced_secrets(r).any(|s| s == name))
-                .map(|r| ObjectRef::from_obj(&**r))
-                .collect::<Vec<_>>()
-        })
+    let mut controller =
+        Controller::for_stream(without_errors("routes", route_stream), routes_store)
+            .owns_stream(without_errors("configmaps", cm_stream));
+    if !secret_watches.is_empty() {
+        let secrets_index = ctx.routes.clone();
+        let secret_stream = futures_util::stream::select_all(secret_watches);
+        controller =
+            controller.watches_stream(without_errors("secrets", secret_stream), move |secret| {
+                let ns = secret.metadata.namespace.clone();
+                let name = secret.metadata.name.clone().unwrap_or_default();
+                secrets_index
+                    .state()
+                    .iter()
+                    .filter(|r| {
+                        r.metadata.namespace == ns && referenced_secrets(r).any(|s| s == name)
+                    })
+                    .map(|r| ObjectRef::from_obj(&**r))
+                    .collect::<Vec<_>>()
+            });
+    }
+    controller
         .watches_stream(without_errors("pods", pod_stream), |pod: Pod| {
             let ns = pod.metadata.namespace.clone().unwrap_or_default();
             pod.annotations()
@@ -526,6 +574,18 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_are_readable_and_watched_only_where_granted() {
+        let none = SecretAccess::default();
+        assert!(!none.readable("shop"));
+        assert!(none.watched(None).is_empty());
+        let some = SecretAccess::new(["shop".to_owned(), "ml".to_owned()]);
+        assert!(some.readable("shop") && !some.readable("other"));
+        assert_eq!(some.watched(None), ["ml", "shop"]);
+        assert_eq!(some.watched(Some("shop")), ["shop"]);
+        assert!(some.watched(Some("other")).is_empty());
+    }
 
     #[test]
     fn watch_backoff_doubles_to_five_seconds_and_resets() {

@@ -41,6 +41,7 @@ use crate::consts::{
     INJECT_ANNOTATION, INJECT_LABEL, INJECTED_ANNOTATION, INJECTED_LABEL, KEYS_DIR, KEYS_VOLUME,
     PROBE_PORT, ROUTES_ANNOTATION, SET_BASE_URL_ANNOTATION, SIDECAR_CONTAINER, config_map_name,
 };
+use crate::sidecar_env::{self, OtelConfig, Workload};
 
 /// Environment variable the OpenAI SDKs read for their base URL.
 pub const BASE_URL_ENV: &str = "OPENAI_BASE_URL";
@@ -66,6 +67,8 @@ pub struct InjectConfig {
     /// holds 16-25 KiB, so this is what keeps a connection-leaking app from pushing the
     /// sidecar past its memory limit. The sidecar's default (10 000) when `None`.
     pub max_connections: Option<u32>,
+    /// OpenTelemetry trace export of the sidecars; off when `None`.
+    pub otel: Option<OtelConfig>,
 }
 
 impl InjectConfig {
@@ -78,6 +81,7 @@ impl InjectConfig {
             log_format: "json".to_owned(),
             log_filter: None,
             max_connections: None,
+            otel: None,
         }
     }
 }
@@ -301,8 +305,8 @@ fn secrets_of(routes: &[RouteInfo]) -> BTreeMap<&str, BTreeSet<&str>> {
 }
 
 /// The sidecar container (a native sidecar: `restartPolicy: Always` on an init container,
-/// so it starts before and stops after the app containers).
-pub fn sidecar_container(has_keys: bool, cfg: &InjectConfig) -> Value {
+/// so it starts before and stops after the app containers) of a pod of `workload`.
+pub fn sidecar_container(has_keys: bool, workload: &Workload, cfg: &InjectConfig) -> Value {
     let probe = |path: &str| json!({ "httpGet": { "path": path, "port": PROBE_PORT } });
     let mut startup = probe("/readyz");
     // Up to two minutes for the first config load (the route's ConfigMap may still be being
@@ -369,9 +373,11 @@ pub fn sidecar_container(has_keys: bool, cfg: &InjectConfig) -> Value {
     {
         container["resources"] = resources;
     }
-    if let Some(filter) = &cfg.log_filter {
-        container["env"] = json!([{ "name": "TAILWARDEN_LOG", "value": filter }]);
-    }
+    container["env"] = Value::Array(sidecar_env::env(
+        workload,
+        cfg.log_filter.as_deref(),
+        cfg.otel.as_ref(),
+    ));
     container
 }
 
@@ -442,7 +448,7 @@ pub fn patch(pod: &Pod, routes: &[RouteInfo], cfg: &InjectConfig) -> Patch {
     // The sidecar goes first among the init containers: init containers start in order, and
     // a native sidecar only runs alongside the ones after it. First, it is up before any
     // other init container that might call a model.
-    let sidecar = sidecar_container(has_keys, cfg);
+    let sidecar = sidecar_container(has_keys, &sidecar_env::workload_of(pod), cfg);
     match spec.and_then(|s| s.init_containers.as_ref()) {
         Some(_) => ops.push(add(&["spec", "initContainers", "0"], sidecar)),
         None => ops.push(add(&["spec", "initContainers"], json!([sidecar]))),
@@ -511,9 +517,10 @@ pub fn patch(pod: &Pod, routes: &[RouteInfo], cfg: &InjectConfig) -> Patch {
 /// docs, tests).
 pub fn sidecar_container_typed(
     has_keys: bool,
+    workload: &Workload,
     cfg: &InjectConfig,
 ) -> Result<Container, serde_json::Error> {
-    serde_json::from_value(sidecar_container(has_keys, cfg))
+    serde_json::from_value(sidecar_container(has_keys, workload, cfg))
 }
 
 #[cfg(test)]
@@ -534,6 +541,7 @@ mod tests {
             log_format: "json".to_owned(),
             log_filter: None,
             max_connections: Some(2000),
+            otel: None,
         }
     }
 
@@ -842,6 +850,19 @@ mod tests {
         doc
     }
 
+    /// The identity variables of a bare pod named `app` (sidecar_env has every case).
+    fn identity_env() -> Value {
+        json!([
+            {"name": "TAILWARDEN_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "TAILWARDEN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "TAILWARDEN_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+            {"name": "TAILWARDEN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "TAILWARDEN_SERVICE_ACCOUNT", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
+            {"name": "TAILWARDEN_WORKLOAD_KIND", "value": "Pod"},
+            {"name": "TAILWARDEN_WORKLOAD_NAME", "value": "app"},
+        ])
+    }
+
     fn expected_sidecar(mounts_keys: bool) -> Value {
         let mut mounts = vec![
             json!({ "name": "tailwarden-config", "mountPath": "/etc/tailwarden/routes", "readOnly": true }),
@@ -878,6 +899,7 @@ mod tests {
                 "seccompProfile": { "type": "RuntimeDefault" },
             },
             "volumeMounts": mounts,
+            "env": identity_env(),
         })
     }
 
@@ -1050,9 +1072,58 @@ mod tests {
                 .unwrap()
                 .contains(&json!("--max-connections"))
         );
+        let mut env = identity_env();
+        env.as_array_mut()
+            .unwrap()
+            .push(json!({ "name": "TAILWARDEN_LOG", "value": "debug" }));
+        assert_eq!(sidecar["env"], env);
+    }
+
+    #[test]
+    fn the_otel_settings_and_the_pods_workload_reach_the_sidecar() {
+        let pod = json!({
+            "metadata": {
+                "generateName": "web-7d9c-",
+                "labels": { "app": "web", "pod-template-hash": "7d9c" },
+                "annotations": { ROUTES_ANNOTATION: "chat" },
+                "ownerReferences": [{ "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-7d9c",
+                                      "uid": "u1", "controller": true }],
+            },
+            "spec": { "containers": [{ "name": "app", "image": "app:1" }] },
+        });
+        let mut config = cfg();
+        let mut otel = OtelConfig::new(
+            "http://collector:4318",
+            sidecar_env::OtlpProtocol::HttpProtobuf,
+        );
+        otel.sampling_ratio = Some("0.5".to_owned());
+        config.otel = Some(otel);
+        let got = inject_into(pod, &labels(None), &[chat()], &config);
+        let env = got["spec"]["initContainers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let get = |n: &str| {
+            env.iter()
+                .find(|e| e["name"] == n)
+                .map(|e| e["value"].clone())
+        };
+        assert_eq!(get("TAILWARDEN_WORKLOAD_KIND"), Some(json!("Deployment")));
+        assert_eq!(get("TAILWARDEN_WORKLOAD_NAME"), Some(json!("web")));
         assert_eq!(
-            sidecar["env"],
-            json!([{ "name": "TAILWARDEN_LOG", "value": "debug" }])
+            get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            Some(json!("http://collector:4318"))
+        );
+        assert_eq!(get("OTEL_TRACES_SAMPLER_ARG"), Some(json!("0.5")));
+        let attrs = get("OTEL_RESOURCE_ATTRIBUTES").unwrap();
+        assert!(
+            attrs.as_str().unwrap().contains("k8s.deployment.name=web,"),
+            "{attrs}"
+        );
+        // The app container is not given any of it.
+        assert_eq!(
+            got["spec"]["containers"][0]["env"],
+            json!([{ "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" }])
         );
     }
 
@@ -1076,7 +1147,11 @@ mod tests {
 
     #[test]
     fn sidecar_is_a_valid_native_sidecar_container() {
-        let c = sidecar_container_typed(true, &cfg()).unwrap();
+        let workload = Workload {
+            kind: "Deployment".into(),
+            name: "web".into(),
+        };
+        let c = sidecar_container_typed(true, &workload, &cfg()).unwrap();
         assert_eq!(c.restart_policy.as_deref(), Some("Always"));
         let sc = c.security_context.unwrap();
         assert_eq!(sc.run_as_non_root, Some(true));

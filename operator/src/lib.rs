@@ -1,7 +1,7 @@
 //! tailwarden-operator: the control plane. Reconciles `InferenceRoute`s into sidecar config
 //! ConfigMaps with status, and injects the sidecar into pods through a mutating webhook.
 //!
-//! Decisions are pure (`render`, `status`, `inject`, `triggers`); I/O lives in `controller`,
+//! Decisions are pure (`render`, `status`, `inject`, `sidecar_env`, `triggers`); I/O lives in `controller`,
 //! `webhook`, `certs` and `leader`.
 
 pub mod certs;
@@ -11,6 +11,7 @@ pub mod inject;
 pub mod leader;
 pub mod render;
 pub mod run;
+pub mod sidecar_env;
 pub mod status;
 pub mod triggers;
 pub mod webhook;

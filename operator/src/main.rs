@@ -10,8 +10,10 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use tailwarden_operator::{
+    controller::SecretAccess,
     inject::InjectConfig,
     run::{self, CertMode, Settings},
+    sidecar_env::{self, OtelConfig, OtlpProtocol},
 };
 
 #[derive(Parser)]
@@ -60,6 +62,18 @@ struct RunArgs {
         default_value = ""
     )]
     watch_namespaces: Vec<String>,
+    /// Namespaces where the operator may read Secrets to check that the keys routes reference
+    /// exist (`ResolvedRefs`), comma-separated. Empty (the default): nowhere — the operator
+    /// reads no Secret outside its own namespace and reports `ResolvedRefs=Unknown`. Each
+    /// namespace listed needs a RoleBinding granting get/list/watch on secrets there (the
+    /// chart's `operator.secretAccess.namespaces` makes them).
+    #[arg(
+        long,
+        env = "TAILWARDEN_SECRET_NAMESPACES",
+        value_delimiter = ',',
+        default_value = ""
+    )]
+    secret_namespaces: Vec<String>,
     /// Webhook HTTPS listener.
     #[arg(long, default_value = "0.0.0.0:9443")]
     webhook_listen: SocketAddr,
@@ -100,6 +114,38 @@ struct RunArgs {
     /// default, 10 000, when not given.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     sidecar_max_connections: Option<u32>,
+    /// OTLP collector the injected sidecars export traces to, e.g.
+    /// http://otel-collector.monitoring:4318; tracing stays off without it.
+    #[arg(long)]
+    sidecar_otel_endpoint: Option<String>,
+    /// OTLP protocol of the sidecars' exporter.
+    #[arg(long, value_enum, default_value = "http/protobuf")]
+    sidecar_otel_protocol: OtlpProtocolArg,
+    /// Secret, in each injected pod's own namespace, whose key --sidecar-otel-headers-key holds
+    /// the exporter's headers (OTEL_EXPORTER_OTLP_HEADERS, `key=value,…`). A pod whose
+    /// namespace lacks it exports without headers.
+    #[arg(long)]
+    sidecar_otel_headers_secret: Option<String>,
+    /// Key of --sidecar-otel-headers-secret.
+    #[arg(long, default_value = "headers")]
+    sidecar_otel_headers_key: String,
+    /// Share of new traces the sidecars keep, 0 to 1 (parent-based: a sampled client trace is
+    /// always continued); all when not given.
+    #[arg(long, value_parser = sidecar_env::parse_sampling_ratio)]
+    sidecar_otel_sampling_ratio: Option<String>,
+    /// Extra resource attribute key=value for the sidecars' spans; repeat or comma-separate.
+    #[arg(long, value_delimiter = ',', value_parser = sidecar_env::parse_resource_attribute)]
+    sidecar_otel_resource_attribute: Vec<(String, String)>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OtlpProtocolArg {
+    /// OTLP/gRPC (a collector's port 4317).
+    #[value(name = "grpc")]
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies (a collector's port 4318).
+    #[value(name = "http/protobuf")]
+    HttpProtobuf,
 }
 
 async fn shutdown_signal() {
@@ -129,6 +175,20 @@ fn settings(args: RunArgs) -> anyhow::Result<Settings> {
     inject.resources = resources;
     inject.log_filter = args.sidecar_log_level;
     inject.max_connections = args.sidecar_max_connections;
+    if let Some(endpoint) = args.sidecar_otel_endpoint.filter(|e| !e.trim().is_empty()) {
+        let protocol = match args.sidecar_otel_protocol {
+            OtlpProtocolArg::Grpc => OtlpProtocol::Grpc,
+            OtlpProtocolArg::HttpProtobuf => OtlpProtocol::HttpProtobuf,
+        };
+        let mut otel = OtelConfig::new(endpoint.trim(), protocol);
+        otel.headers_secret = args
+            .sidecar_otel_headers_secret
+            .filter(|s| !s.is_empty())
+            .map(|s| (s, args.sidecar_otel_headers_key));
+        otel.sampling_ratio = args.sidecar_otel_sampling_ratio;
+        otel.resource_attributes = args.sidecar_otel_resource_attribute;
+        inject.otel = Some(otel);
+    }
     Ok(Settings {
         namespace: args.namespace,
         identity: args.identity,
@@ -149,6 +209,9 @@ fn settings(args: RunArgs) -> anyhow::Result<Settings> {
         },
         leader_elect: args.leader_elect,
         inject,
+        secret_access: SecretAccess::new(
+            args.secret_namespaces.into_iter().filter(|n| !n.is_empty()),
+        ),
     })
 }
 

@@ -61,6 +61,9 @@ pub struct Settings {
     pub cert_mode: CertMode,
     pub leader_elect: bool,
     pub inject: InjectConfig,
+    /// Namespaces where the operator may read Secrets to check `ResolvedRefs`; nowhere by
+    /// default (see `controller::SecretAccess`).
+    pub secret_access: controller::SecretAccess,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -332,7 +335,15 @@ pub async fn run(
                     () = stop => {}
                 }
             };
-            run_controllers(client.clone(), namespaces, metrics, reporter, lost_or_stop).await;
+            run_controllers(
+                client.clone(),
+                namespaces,
+                settings.secret_access.clone(),
+                metrics,
+                reporter,
+                lost_or_stop,
+            )
+            .await;
             if !*stop_flag.borrow() {
                 outcome = Err(RunError::LostLeadership);
             }
@@ -341,7 +352,15 @@ pub async fn run(
         let _ = election.await;
         outcome
     } else {
-        run_controllers(client.clone(), namespaces, metrics, reporter, stopped()).await;
+        run_controllers(
+            client.clone(),
+            namespaces,
+            settings.secret_access.clone(),
+            metrics,
+            reporter,
+            stopped(),
+        )
+        .await;
         Ok(())
     };
     let _ = webhook_task.await;
@@ -352,6 +371,7 @@ pub async fn run(
 async fn run_controllers(
     client: Client,
     namespaces: Vec<Option<String>>,
+    secret_access: controller::SecretAccess,
     metrics: controller::Metrics,
     reporter: Reporter,
     until: impl std::future::Future<Output = ()> + Send + 'static,
@@ -364,6 +384,7 @@ async fn run_controllers(
             tokio::spawn(controller::run(
                 client.clone(),
                 ns,
+                secret_access.clone(),
                 metrics.clone(),
                 reporter.clone(),
                 async move {

@@ -9,27 +9,114 @@ use k8s_openapi::{
 };
 use tailwarden_crds::InferenceRouteStatus;
 
+use crate::render::Desired;
+
 pub const ACCEPTED: &str = "Accepted";
 pub const RESOLVED_REFS: &str = "ResolvedRefs";
 pub const READY: &str = "Ready";
+
+/// A condition's `status`: Kubernetes conditions are `True`, `False` or `Unknown`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Truth {
+    True,
+    False,
+    /// The operator could not find out (e.g. it may not read the namespace's Secrets).
+    Unknown,
+}
+
+impl Truth {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::True => "True",
+            Self::False => "False",
+            Self::Unknown => "Unknown",
+        }
+    }
+}
 
 /// One condition as reconcile sees it, before times and generations are attached.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Observed {
     pub kind: &'static str,
-    pub ok: bool,
+    pub status: Truth,
     pub reason: String,
     pub message: String,
 }
 
 impl Observed {
     pub fn new(kind: &'static str, ok: bool, reason: &str, message: impl Into<String>) -> Self {
+        let status = if ok { Truth::True } else { Truth::False };
+        Self::with(kind, status, reason, message)
+    }
+
+    /// A condition the operator could not decide.
+    pub fn unknown(kind: &'static str, reason: &str, message: impl Into<String>) -> Self {
+        Self::with(kind, Truth::Unknown, reason, message)
+    }
+
+    fn with(kind: &'static str, status: Truth, reason: &str, message: impl Into<String>) -> Self {
         Self {
             kind,
-            ok,
+            status,
             reason: reason.to_owned(),
             message: message.into(),
         }
+    }
+
+    /// `True`.
+    pub fn ok(&self) -> bool {
+        self.status == Truth::True
+    }
+
+    /// `False`: known to be wrong (`Unknown` is not).
+    pub fn failed(&self) -> bool {
+        self.status == Truth::False
+    }
+}
+
+/// `ResolvedRefs` of a rendered route. `readable`: whether the operator may read the Secrets
+/// of `namespace` (and so whether `desired.missing` means anything).
+pub fn resolved_refs(namespace: &str, desired: &Desired, readable: bool) -> Observed {
+    if desired.secret_refs.is_empty() {
+        return Observed::new(
+            RESOLVED_REFS,
+            true,
+            "AllResolved",
+            "The route references no Secret.",
+        );
+    }
+    if !readable {
+        let keys: Vec<String> = desired
+            .secret_refs
+            .iter()
+            .map(|(s, k)| format!("{s}/{k}"))
+            .collect();
+        return Observed::unknown(
+            RESOLVED_REFS,
+            "NotChecked",
+            format!(
+                "The operator may not read Secrets in namespace {namespace} (least privilege), so \
+                 it did not check {}. A sidecar skips a provider whose key is missing. To have the \
+                 keys checked, grant the operator read access to Secrets in this namespace \
+                 (chart value operator.secretAccess.namespaces).",
+                keys.join(", ")
+            ),
+        );
+    }
+    if desired.missing.is_empty() {
+        Observed::new(
+            RESOLVED_REFS,
+            true,
+            "AllResolved",
+            "Every referenced Secret key exists.",
+        )
+    } else {
+        Observed::new(
+            RESOLVED_REFS,
+            false,
+            "SecretMissing",
+            desired.missing.join("; "),
+        )
     }
 }
 
@@ -54,7 +141,7 @@ pub fn next_status(
         .conditions
         .iter()
         .map(|o| {
-            let status = if o.ok { "True" } else { "False" };
+            let status = o.status.as_str();
             let kept = previous
                 .iter()
                 .find(|c| c.type_ == o.kind && c.status == status)
@@ -77,12 +164,12 @@ pub fn next_status(
     }
 }
 
-/// Conditions whose status changed (or that are new), for Events: `(type, now_true, reason,
-/// message)`.
+/// Conditions whose status changed (or that are new), for Events: `(type, status, reason,
+/// message)`, `status` being `True`, `False` or `Unknown`.
 pub fn transitions(
     current: Option<&InferenceRouteStatus>,
     next: &InferenceRouteStatus,
-) -> Vec<(String, bool, String, String)> {
+) -> Vec<(String, String, String, String)> {
     let previous: &[Condition] = current.map_or(&[], |s| s.conditions.as_slice());
     next.conditions
         .iter()
@@ -94,7 +181,7 @@ pub fn transitions(
         .map(|c| {
             (
                 c.type_.clone(),
-                c.status == "True",
+                c.status.clone(),
                 c.reason.clone(),
                 c.message.clone(),
             )
@@ -147,10 +234,76 @@ mod tests {
             t,
             vec![(
                 "Ready".to_owned(),
-                false,
+                "False".to_owned(),
                 "SecretMissing".to_owned(),
                 "m".to_owned()
             )]
         );
+    }
+
+    fn desired(refs: &[(&str, &str)], missing: &[&str]) -> Desired {
+        Desired {
+            config_yaml: String::new(),
+            config_hash: String::new(),
+            secret_refs: refs
+                .iter()
+                .map(|(s, k)| ((*s).to_owned(), (*k).to_owned()))
+                .collect(),
+            missing: missing.iter().map(|m| (*m).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn resolved_refs_is_unknown_where_secrets_may_not_be_read() {
+        let refs = [("openai", "apiKey"), ("azure", "key")];
+        // No Secret referenced: resolved wherever the route lives.
+        let none = resolved_refs("shop", &desired(&[], &[]), false);
+        assert_eq!(
+            (none.status, none.reason.as_str()),
+            (Truth::True, "AllResolved")
+        );
+        // Not readable: Unknown, naming the keys it did not check — even if render said
+        // "missing" (it was given no Secrets at all).
+        let unread = resolved_refs("shop", &desired(&refs, &["x"]), false);
+        assert_eq!(unread.status, Truth::Unknown);
+        assert_eq!(unread.reason, "NotChecked");
+        assert!(
+            unread.message.contains("namespace shop"),
+            "{}",
+            unread.message
+        );
+        assert!(
+            unread.message.contains("openai/apiKey, azure/key"),
+            "{}",
+            unread.message
+        );
+        // Readable: True or False from what exists.
+        let ok = resolved_refs("shop", &desired(&refs, &[]), true);
+        assert_eq!(
+            (ok.status, ok.reason.as_str()),
+            (Truth::True, "AllResolved")
+        );
+        let missing = resolved_refs("shop", &desired(&refs, &["a", "b"]), true);
+        assert_eq!(missing.status, Truth::False);
+        assert_eq!(missing.message, "a; b");
+    }
+
+    #[test]
+    fn unknown_is_a_third_status_with_its_own_transition() {
+        let mut o = obs(true);
+        o.conditions.push(Observed::unknown(
+            RESOLVED_REFS,
+            "NotChecked",
+            "no read access",
+        ));
+        let s = next_status(None, &o, ts(100));
+        assert_eq!(s.conditions[2].status, "Unknown");
+        assert!(!o.conditions[2].ok() && !o.conditions[2].failed());
+        let t = transitions(None, &s);
+        assert_eq!(t[2].1, "Unknown");
+        // Unknown → True is a flip: a new transition time.
+        o.conditions[2] = Observed::new(RESOLVED_REFS, true, "AllResolved", "ok");
+        let s2 = next_status(Some(&s), &o, ts(200));
+        assert_eq!(s2.conditions[2].last_transition_time, Time(ts(200)));
     }
 }

@@ -74,6 +74,10 @@ impl Operator {
                 "tailwarden/sidecar:test",
                 "--webhook-ip-san",
                 "127.0.0.1",
+                // Opted in: the keys of routes in shop are checked (tests/rbac.rs has the
+                // default, no Secret access, under the chart's own RBAC).
+                "--secret-namespaces",
+                "shop",
             ])
             .env("KUBECONFIG", cp.var("KUBECONFIG"))
             .env("POD_NAMESPACE", "tailwarden-system")
