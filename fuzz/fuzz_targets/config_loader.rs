@@ -17,7 +17,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tailwarden_crds::{InferenceRoute, LoadError, crd, load_str};
-use tailwarden_sidecar::tiers::TierSet;
+use tailwarden_decide::tiers::TierSet;
 
 const FILE: &str = "fuzz.yaml";
 

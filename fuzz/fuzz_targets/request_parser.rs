@@ -22,12 +22,14 @@ use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 use serde::de::IgnoredAny;
 use tailwarden_crds::{CapabilityRule, Tier};
-use tailwarden_sidecar::{
-    cache::{CacheSettings, ExactCache},
+use tailwarden_decide::{
     capabilities::{CapabilityMap, Decision},
-    limits::estimate_tokens,
     request::RequestBody,
     tiers::TierSet,
+};
+use tailwarden_sidecar::{
+    cache::{CacheSettings, ExactCache},
+    limits::estimate_tokens,
 };
 
 /// Provider models the rewrite is asked for; `None` keeps the client's model (no model

@@ -19,7 +19,7 @@
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tailwarden_sidecar::sse::{SseEvent, SseForwarder, SseScanner};
+use tailwarden_decide::sse::{SseEvent, SseForwarder, SseScanner};
 
 #[derive(Arbitrary, Debug)]
 struct Case<'a> {

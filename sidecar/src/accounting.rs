@@ -8,41 +8,14 @@
 
 use std::{sync::Arc, time::Duration};
 
-use rust_decimal::{Decimal, prelude::ToPrimitive};
+use rust_decimal::prelude::ToPrimitive;
 use tokio::time::Instant;
 
-use crate::{limits::AdmissionGuard, metrics::Metrics, sse::SseEvent, telemetry};
+use tailwarden_decide::{sse::SseEvent, usage::Price};
 
-/// Token counts of one response.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub input: u64,
-    pub cached_input: u64,
-    pub output: u64,
-    pub reasoning: u64,
-    /// True when the provider reported no usage and these are estimates.
-    pub estimated: bool,
-}
+use crate::{limits::AdmissionGuard, metrics::Metrics, telemetry};
 
-/// Prices per million tokens for the provider model that served the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Price {
-    pub input: Decimal,
-    pub cached_input: Decimal,
-    pub output: Decimal,
-}
-
-impl Price {
-    /// Cost in currency units; exact decimal arithmetic, no floats.
-    pub fn cost(&self, usage: &Usage) -> Decimal {
-        let uncached = usage.input.saturating_sub(usage.cached_input);
-        let per_m = Decimal::from(1_000_000u32);
-        (Decimal::from(uncached) * self.input
-            + Decimal::from(usage.cached_input) * self.cached_input
-            + Decimal::from(usage.output) * self.output)
-            / per_m
-    }
-}
+pub use tailwarden_decide::usage::Usage;
 
 /// The objectives of a route's `slo` each request is judged against.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -385,28 +358,5 @@ impl Recorder {
         if let (Some(target), "2xx") = (i.slo.latency, class) {
             count("latency", total <= target);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cost_is_exact_decimal() {
-        let price = Price {
-            input: "2.00".parse().unwrap(),
-            cached_input: "0.50".parse().unwrap(),
-            output: "8.00".parse().unwrap(),
-        };
-        let usage = Usage {
-            input: 1_500,
-            cached_input: 500,
-            output: 250,
-            reasoning: 0,
-            estimated: false,
-        };
-        // 1000 × 2 + 500 × 0.5 + 250 × 8 = 4250 per million.
-        assert_eq!(price.cost(&usage), "0.00425".parse::<Decimal>().unwrap());
     }
 }

@@ -29,6 +29,9 @@ use crate::{
     cache::{CacheFill, ReplayBody},
     proxy::StreamVerdict,
     semantic::SemanticFill,
+};
+use tailwarden_decide::{
+    error::ApiError,
     sse::{self, SseForwarder},
 };
 
@@ -145,6 +148,28 @@ impl std::fmt::Debug for ProxyBody {
             ProxyBody::Heartbeat(_) => f.write_str("Heartbeat"),
             ProxyBody::Replay(_) => f.write_str("Replay"),
         }
+    }
+}
+
+/// Turns the sidecar's own errors (plain data) into client responses, at the edge.
+pub trait IntoResponse {
+    fn into_response(self) -> Response<ProxyBody>;
+}
+
+impl IntoResponse for ApiError {
+    /// The OpenAI-shaped JSON error with its status and `Retry-After`.
+    fn into_response(self) -> Response<ProxyBody> {
+        let mut response = Response::new(ProxyBody::full(self.body_json()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(secs) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
     }
 }
 

@@ -1,18 +1,8 @@
 //! The exact-match response cache: identical deterministic requests get the stored answer,
 //! streams included.
 //!
-//! **Key.** SHA-256 of a canonical form of everything that can change the answer: the route,
-//! the scope's tenant, the endpoint, the model after tier choice, whether the response
-//! streams, and every top-level request member except those that cannot change the answer
-//! (`user`, `metadata`, `store`, `service_tier`, …, see [`IGNORED`]). Unknown members are
-//! *included*: a parameter this code has never heard of (`thinking`, `reasoning_effort`,
-//! provider extensions) must split the key, not silently share answers. The canonical form
-//! is JSON with object keys sorted, no insignificant whitespace, numbers normalised (`0`,
-//! `0.0` and `0e0` are one value) and string escapes normalised (`"\u00e9"` is `"é"`), but
-//! string *contents* untouched: whitespace inside a message can change its meaning (code,
-//! poetry, Markdown tables). Members with `null` values and the API defaults listed in
-//! [`DEFAULTS`] are dropped, so a client that sends `top_p: 1` or `n: 1` hits the entry of
-//! one that does not.
+//! **Key.** [`tailwarden_decide::cache_key`]: SHA-256 of the canonical form of everything that
+//! can change the answer, defaults and members that cannot change it left out.
 //!
 //! **What is cached.** Only deterministic requests — `temperature: 0`, embeddings — unless
 //! the route sets `deterministicOnly: false` or the client sends `x-tailwarden-cache: force`.
@@ -36,7 +26,6 @@
 use std::{
     collections::VecDeque,
     convert::Infallible,
-    io::Write,
     pin::Pin,
     sync::{
         Arc,
@@ -50,44 +39,22 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
 use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter, sync::Cache};
-use serde_json::Value;
 use tailwarden_crds::CacheScope;
 use tokio::time::Instant;
 
-use crate::{
-    redis_backend::{BackendError, BackendSettings, RedisBackend},
+use tailwarden_decide::{
+    cache_key::{self, KeyScope, clean_sse},
     request::RequestBody,
-    shared_cache::SharedCache,
+    semantic::tenant_of,
 };
 
-/// Request members that cannot change the answer and stay out of the key.
-pub const IGNORED: &[&str] = &[
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-];
+use crate::{
+    redis_backend::{BackendError, BackendSettings, RedisBackend},
+    shared_cache::SharedCache,
+    state::Registry,
+};
 
-/// API defaults: a member equal to its default is dropped from the key. `tool_choice` is
-/// handled apart (its default depends on whether `tools` are present).
-pub const DEFAULTS: &[(&str, &str)] = &[
-    ("temperature", "1"),
-    ("top_p", "1"),
-    ("n", "1"),
-    ("best_of", "1"),
-    ("presence_penalty", "0"),
-    ("frequency_penalty", "0"),
-    ("logprobs", "false"),
-    ("echo", "false"),
-    ("parallel_tool_calls", "true"),
-    ("response_format", r#"{"type":"text"}"#),
-    ("logit_bias", "{}"),
-    ("stop", "[]"),
-    ("tools", "[]"),
-    ("encoding_format", r#""float""#),
-];
+pub use tailwarden_decide::cache_key::{CacheKey, Directive, NotCacheable};
 
 /// Longest wait for the shared store (`backend: redis`): past it a lookup is a miss, which
 /// costs a provider call, so it is short; a healthy Redis answers in well under 1 ms.
@@ -95,74 +62,6 @@ pub const SHARED_LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// Largest single entry: bigger responses are not cached (`CacheFill` abandons them).
 pub const MAX_ENTRY_BYTES: usize = 8 << 20;
-
-/// The client's cache directive, from `x-tailwarden-cache` and `Cache-Control`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Directive {
-    /// Do not serve from the cache.
-    pub no_read: bool,
-    /// Do not store the response.
-    pub no_write: bool,
-    /// Cache even if the request is not deterministic.
-    pub force: bool,
-}
-
-impl Directive {
-    pub fn from_headers(headers: &HeaderMap) -> Self {
-        let mut d = Self::default();
-        for v in headers.get_all("x-tailwarden-cache") {
-            match v.to_str().map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-                Ok("bypass") => d.no_read = true,
-                Ok("force") => d.force = true,
-                _ => {}
-            }
-        }
-        for v in headers.get_all(header::CACHE_CONTROL) {
-            for part in v.to_str().unwrap_or("").split(',') {
-                match part.trim().to_ascii_lowercase().as_str() {
-                    "no-cache" => d.no_read = true,
-                    "no-store" => {
-                        d.no_read = true;
-                        d.no_write = true;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        d
-    }
-}
-
-/// Why a request does not use the cache: the value of `x-tailwarden-cache-reason` next to
-/// `x-tailwarden-cache: bypass`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum NotCacheable {
-    /// `bypass` or `no-cache`: not returned by [`ExactCache::key`] (the key still refreshes
-    /// the entry, with [`CacheKey::read`] false) but the reason to report for it.
-    #[error("client-bypass")]
-    ClientBypass,
-    #[error("no-store")]
-    NoStore,
-    #[error("not-deterministic")]
-    NotDeterministic,
-    #[error("unparseable-member")]
-    Unparseable,
-}
-
-/// A request's cache key, and what the client allows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct CacheKey {
-    digest: [u8; 32],
-    /// Serve from the cache (false with `bypass` / `no-cache`).
-    pub read: bool,
-}
-
-impl CacheKey {
-    /// Hex of the digest (for debugging and logs).
-    pub fn hex(&self) -> String {
-        self.digest.iter().map(|b| format!("{b:02x}")).collect()
-    }
-}
 
 /// A stored response.
 #[derive(Debug)]
@@ -405,7 +304,7 @@ impl ExactCache {
         let shared = self.shared.as_ref()?;
         let (entry, _ttl) = shared.get(key).await?;
         if entry.len() <= self.max_entry_bytes {
-            self.store.insert(key.digest, entry.clone());
+            self.store.insert(key.digest(), entry.clone());
         }
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
         Some(entry)
@@ -438,49 +337,22 @@ impl ExactCache {
         model: &str,
         headers: &HeaderMap,
     ) -> Result<CacheKey, NotCacheable> {
-        let directive = Directive::from_headers(headers);
-        if directive.no_write {
-            return Err(NotCacheable::NoStore);
-        }
-        let stream = body.stream && endpoint != "/embeddings";
-        if self.settings.deterministic_only && !directive.force && endpoint != "/embeddings" {
-            let temperature = body
-                .member("temperature")
-                .and_then(|raw| serde_json::from_str::<f64>(raw.get()).ok());
-            if temperature != Some(0.0) {
-                return Err(NotCacheable::NotDeterministic);
-            }
-        }
-        let tenant = match (self.settings.scope, &self.settings.tenant_header) {
-            (CacheScope::Tenant, Some(name)) => headers
-                .get(name)
-                .map(|v| v.as_bytes().to_vec())
-                .unwrap_or_default(),
-            _ => Vec::new(),
-        };
-        let mut h = Hasher::default();
-        // Length-prefixed header fields so that no two (route, tenant, …) tuples collide.
-        for field in [
-            self.route.as_bytes(),
-            &tenant,
-            endpoint.as_bytes(),
-            model.as_bytes(),
-            if stream { b"stream" } else { b"whole" },
-        ] {
-            h.update(&(field.len() as u64).to_le_bytes());
-            h.update(field);
-        }
-        let members = canonical_members(body, stream)?;
-        for (name, value) in &members {
-            h.update(name.as_bytes());
-            h.update(b"=");
-            write_canonical(value, &mut h);
-            h.update(b"\n");
-        }
-        Ok(CacheKey {
-            digest: h.finish(),
-            read: !directive.no_read,
-        })
+        let tenant = tenant_of(
+            self.settings.scope,
+            self.settings.tenant_header.as_ref(),
+            headers,
+        );
+        cache_key::key(
+            &KeyScope {
+                route: &self.route,
+                tenant,
+                endpoint,
+                model,
+                deterministic_only: self.settings.deterministic_only,
+            },
+            body,
+            headers,
+        )
     }
 
     /// The stored response, if fresh. Misses are counted only for readable keys.
@@ -488,14 +360,14 @@ impl ExactCache {
         if !key.read {
             return None;
         }
-        let found = self.store.get(&key.digest);
+        let found = self.store.get(&key.digest());
         match found {
             Some(entry) if Instant::now() < entry.expires_at => {
                 self.stats.hits.fetch_add(1, Ordering::Relaxed);
                 Some(entry)
             }
             Some(_) => {
-                self.store.remove(&key.digest);
+                self.store.remove(&key.digest());
                 self.stats.expired.fetch_add(1, Ordering::Relaxed);
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 None
@@ -520,7 +392,7 @@ impl ExactCache {
         }
         Some(CacheFill {
             cache: self.clone(),
-            digest: key.digest,
+            digest: key.digest(),
             status,
             content_type: headers.get(header::CONTENT_TYPE).cloned(),
             stream,
@@ -595,10 +467,7 @@ impl CacheFill {
             bytes: self.bytes,
         });
         if let Some(shared) = &cache.shared {
-            let key = CacheKey {
-                digest: self.digest,
-                read: true,
-            };
+            let key = CacheKey::from_digest(self.digest, true);
             shared.put(&key, &entry, cache.settings.ttl);
         }
         cache.store.insert(self.digest, entry);
@@ -616,179 +485,13 @@ impl Drop for CacheFill {
     }
 }
 
-/// A stream is complete when its last event is `data: [DONE]`, and clean when no event is
-/// an error (`data: {"error": …}` or `event: error`).
-fn clean_sse(chunks: &[Bytes]) -> bool {
-    let mut all = Vec::with_capacity(chunks.iter().map(Bytes::len).sum());
-    for c in chunks {
-        all.extend_from_slice(c);
-    }
-    let Ok(text) = std::str::from_utf8(&all) else {
-        return false;
-    };
-    let mut last_data = None;
-    for line in text.lines() {
-        let line = line.trim_end_matches('\r');
-        if line == "event: error" || line == "event:error" {
-            return false;
-        }
-        if let Some(data) = line.strip_prefix("data:") {
-            let data = data.trim_start();
-            if data.starts_with("{\"error\"") {
-                return false;
-            }
-            last_data = Some(data);
-        }
-    }
-    last_data == Some("[DONE]") && text.ends_with('\n')
-}
-
-/// The members that go into the key, in name order, defaults dropped (also the semantic
-/// cache's exact partition).
-pub fn canonical_members(
-    body: &RequestBody<'_>,
-    stream: bool,
-) -> Result<Vec<(String, Value)>, NotCacheable> {
-    let mut members = Vec::new();
-    let mut has_tools = false;
-    for (name, raw) in body.members() {
-        // The model is keyed after tier choice; `stream` is keyed apart.
-        if name == "model" || name == "stream" || IGNORED.contains(&name) {
-            continue;
-        }
-        // How a stream's usage is reported changes its bytes; a whole response ignores it.
-        if name == "stream_options" && !stream {
-            continue;
-        }
-        let value: Value =
-            serde_json::from_str(raw.get()).map_err(|_| NotCacheable::Unparseable)?;
-        if value.is_null() {
-            continue;
-        }
-        if DEFAULTS
-            .iter()
-            .any(|(n, d)| *n == name && canonical_eq(&value, d))
-        {
-            continue;
-        }
-        if name == "tools" {
-            has_tools = true;
-        }
-        members.push((name.to_owned(), value));
-    }
-    // tool_choice defaults to "auto" with tools and "none" without.
-    let tool_default = if has_tools { "auto" } else { "none" };
-    members.retain(|(n, v)| !(n == "tool_choice" && v.as_str() == Some(tool_default)));
-    members.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(members)
-}
-
-fn canonical_eq(value: &Value, default_json: &str) -> bool {
-    let Ok(default) = serde_json::from_str::<Value>(default_json) else {
-        return false;
-    };
-    let (mut a, mut b) = (Hasher::default(), Hasher::default());
-    write_canonical(value, &mut a);
-    write_canonical(&default, &mut b);
-    a.finish() == b.finish()
-}
-
-/// Writes the canonical JSON of a value: sorted keys, no whitespace, normalised numbers
-/// and string escapes. Independent of serde_json's `preserve_order` feature.
-pub fn write_canonical(value: &Value, out: &mut impl Write) {
-    // Writes into a hasher or a Vec cannot fail.
-    let _ = write_value(value, out);
-}
-
-fn write_value(value: &Value, out: &mut impl Write) -> std::io::Result<()> {
-    match value {
-        Value::Null => out.write_all(b"null"),
-        Value::Bool(b) => out.write_all(if *b { b"true" } else { b"false" }),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                write!(out, "{i}")
-            } else if let Some(u) = n.as_u64() {
-                write!(out, "{u}")
-            } else {
-                let f = n.as_f64().unwrap_or(0.0);
-                if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 {
-                    // 0.0, 1.0, 2e3 are the integers they equal.
-                    write!(out, "{}", f as i64)
-                } else {
-                    write!(out, "{f:?}")
-                }
-            }
-        }
-        Value::String(s) => serde_json::to_writer(&mut *out, s).map_err(std::io::Error::other),
-        Value::Array(items) => {
-            out.write_all(b"[")?;
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                write_value(item, out)?;
-            }
-            out.write_all(b"]")
-        }
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.write_all(b"{")?;
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                serde_json::to_writer(&mut *out, k).map_err(std::io::Error::other)?;
-                out.write_all(b":")?;
-                if let Some(v) = map.get(*k) {
-                    write_value(v, out)?;
-                }
-            }
-            out.write_all(b"}")
-        }
-    }
-}
-
-/// SHA-256 over whatever is written to it: keys never hold request text.
-struct Hasher(ring::digest::Context);
-
-impl Default for Hasher {
-    fn default() -> Self {
-        Self(ring::digest::Context::new(&ring::digest::SHA256))
-    }
-}
-
-impl Hasher {
-    fn update(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
-    }
-
-    fn finish(self) -> [u8; 32] {
-        let digest = self.0.finish();
-        let mut out = [0u8; 32];
-        out.copy_from_slice(digest.as_ref());
-        out
-    }
-}
-
-impl Write for Hasher {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Route caches kept across config reloads: a route whose cache settings did not change
 /// keeps its entries.
 #[derive(Default)]
 pub struct Caches {
-    routes: std::sync::Mutex<std::collections::HashMap<String, Arc<ExactCache>>>,
+    routes: Registry<String, CacheSettings, Arc<ExactCache>>,
     /// Redis connections of shared caches, by address.
-    backends: std::sync::Mutex<std::collections::HashMap<String, Arc<RedisBackend>>>,
+    backends: Registry<String, (), Arc<RedisBackend>>,
     errors_counter: Option<prometheus::IntCounter>,
 }
 
@@ -815,51 +518,35 @@ impl Caches {
         spec: &tailwarden_crds::ExactCache,
         tenant_header: Option<&str>,
     ) -> Result<Option<Arc<ExactCache>>, BackendError> {
-        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        let key = route.to_owned();
         if !spec.enabled {
-            routes.remove(route);
+            self.routes.remove(&key);
             return Ok(None);
         }
         let settings = CacheSettings::from_spec(spec, tenant_header);
-        if let Some(cache) = routes.get(route)
-            && cache.settings == settings
-        {
-            return Ok(Some(cache.clone()));
-        }
-        let cache = match &settings.shared_address {
-            None => ExactCache::new(route, settings),
-            Some(address) => {
-                let mut backends = self.backends.lock().unwrap_or_else(|p| p.into_inner());
-                let backend = match backends.get(address) {
-                    Some(b) => b.clone(),
-                    None => {
-                        let b = Arc::new(RedisBackend::new(
-                            address,
-                            BackendSettings::default(),
-                            self.errors_counter.clone(),
-                        )?);
-                        backends.insert(address.clone(), b.clone());
-                        b
+        self.routes
+            .get_or_try_build(&key, &settings, || {
+                Ok(match &settings.shared_address {
+                    None => ExactCache::new(route, settings.clone()),
+                    Some(address) => {
+                        let backend = self.backends.get_or_try_build(address, &(), || {
+                            RedisBackend::new(
+                                address,
+                                BackendSettings::default(),
+                                self.errors_counter.clone(),
+                            )
+                            .map(Arc::new)
+                        })?;
+                        let shared = Arc::new(SharedCache::new(backend, route));
+                        ExactCache::with_shared(route, settings.clone(), shared)
                     }
-                };
-                let shared = Arc::new(SharedCache::new(backend, route));
-                ExactCache::with_shared(route, settings, shared)
-            }
-        };
-        routes.insert(route.to_owned(), cache.clone());
-        Ok(Some(cache))
+                })
+            })
+            .map(Some)
     }
 
     /// Forgets routes no longer in the config.
     pub fn retain(&self, routes: &[&str]) {
-        let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|name, _| routes.contains(&name.as_str()));
+        self.routes.retain(|name| routes.contains(&name.as_str()));
     }
-}
-
-/// The canonical JSON of a value as a string (tests, debugging).
-pub fn canonical_json(value: &Value) -> String {
-    let mut out = Vec::new();
-    write_canonical(value, &mut out);
-    String::from_utf8(out).unwrap_or_default()
 }

@@ -8,7 +8,7 @@
 //! [`AdmissionGuard::settle`] corrects the reservation with the real usage (streams
 //! included); a guard dropped without settlement keeps the estimate charged.
 //!
-//! - Rates are GCRA token buckets ([`bucket`]) with a burst of one period's worth, O(1) and
+//! - Rates are GCRA token buckets ([`tailwarden_decide::bucket`]) with a burst of one period's worth, O(1) and
 //!   lock-free; with `backend: redis` they are shared by all replicas through leases
 //!   ([`shared`]).
 //! - Concurrency is a FIFO semaphore with a bounded wait queue (`maxQueued`) and a wait
@@ -27,14 +27,12 @@
 //! timeout of the route: 503, the sidecar is overloaded (a tenant's own concurrency limit is
 //! a 429). Shared backend down with `failMode: closed`: 503.
 
-pub mod bucket;
 pub mod shared;
 
 use std::{
-    collections::HashMap,
     fmt,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -48,12 +46,12 @@ use tokio::{
     time::Instant,
 };
 
+use tailwarden_decide::{bucket::Bucket, error::ApiError, request::RequestBody};
+
 use crate::{
-    error::ApiError,
     redis_backend::{BackendError, BackendSettings, RedisBackend},
-    request::RequestBody,
+    state::Registry,
 };
-use bucket::Bucket;
 use shared::{SharedBucket, Source, TakeError};
 
 /// Most tenants tracked per route.
@@ -257,7 +255,7 @@ impl Rate {
     async fn take(&self, n: u64, now: Instant) -> Result<Source, TakeError> {
         match self {
             Rate::Local(b) => b
-                .try_take(n, now)
+                .try_take(n, now.into_std())
                 .map(|()| Source::Fallback)
                 .map_err(TakeError::Empty),
             Rate::Shared(s) => s.take(n, now).await,
@@ -273,7 +271,7 @@ impl Rate {
 
     fn charge(&self, n: u64, source: Source, now: Instant) {
         match self {
-            Rate::Local(b) => b.charge(n, now),
+            Rate::Local(b) => b.charge(n, now.into_std()),
             Rate::Shared(s) => s.charge(n, source, now),
         }
     }
@@ -476,7 +474,7 @@ impl RouteLimiter {
     fn build_set(&self, key: &str, n: Numbers) -> LimitSet {
         let now = Instant::now();
         let rate = |suffix: &str, amount: u64, period: Duration| match &self.backend {
-            None => Rate::Local(Bucket::new(amount, period, now)),
+            None => Rate::Local(Bucket::new(amount, period, now.into_std())),
             Some((backend, fail_mode)) => Rate::Shared(Arc::new(SharedBucket::new(
                 backend.clone(),
                 format!("{key}:{suffix}"),
@@ -785,8 +783,9 @@ pub async fn admit(
 /// connections are shared by address.
 #[derive(Default)]
 pub struct Limiters {
-    routes: Mutex<HashMap<String, (RateLimit, Arc<RouteLimiter>)>>,
-    backends: Mutex<HashMap<String, Arc<RedisBackend>>>,
+    routes: Registry<String, RateLimit, Arc<RouteLimiter>>,
+    /// Redis connections, by address.
+    backends: Registry<String, (), Arc<RedisBackend>>,
     errors_counter: Option<prometheus::IntCounter>,
 }
 
@@ -811,58 +810,47 @@ impl Limiters {
         route: &str,
         spec: Option<&RateLimit>,
     ) -> Result<Option<Arc<RouteLimiter>>, LimitConfigError> {
-        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        let key = route.to_owned();
         let Some(spec) = spec else {
-            routes.remove(route);
+            self.routes.remove(&key);
             return Ok(None);
         };
-        if let Some((old, limiter)) = routes.get(route)
-            && old == spec
-        {
-            return Ok(Some(limiter.clone()));
-        }
-        let backend = match (&spec.backend, &spec.redis) {
-            (Backend::Redis, Some(redis)) => {
-                let mut backends = self.backends.lock().unwrap_or_else(|p| p.into_inner());
-                let backend = match backends.get(&redis.address) {
-                    Some(b) => b.clone(),
-                    None => {
-                        let b = Arc::new(
+        self.routes
+            .get_or_try_build(&key, spec, || {
+                let backend = match (&spec.backend, &spec.redis) {
+                    (Backend::Redis, Some(redis)) => {
+                        Some(self.backends.get_or_try_build(&redis.address, &(), || {
                             RedisBackend::new(
                                 &redis.address,
                                 BackendSettings::default(),
                                 self.errors_counter.clone(),
                             )
+                            .map(Arc::new)
                             .map_err(|source| {
                                 LimitConfigError::Backend {
                                     route: route.to_owned(),
                                     source,
                                 }
-                            })?,
-                        );
-                        backends.insert(redis.address.clone(), b.clone());
-                        b
+                            })
+                        })?)
                     }
+                    _ => None,
                 };
-                Some(backend)
-            }
-            _ => None,
-        };
-        let limiter = Arc::new(RouteLimiter::new(
-            route,
-            spec,
-            LimiterOptions {
-                backend,
-                max_tenants: None,
-            },
-        )?);
-        routes.insert(route.to_owned(), (spec.clone(), limiter.clone()));
-        Ok(Some(limiter))
+                RouteLimiter::new(
+                    route,
+                    spec,
+                    LimiterOptions {
+                        backend,
+                        max_tenants: None,
+                    },
+                )
+                .map(Arc::new)
+            })
+            .map(Some)
     }
 
     /// Forgets routes no longer in the config.
     pub fn retain(&self, routes: &[&str]) {
-        let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|name, _| routes.contains(&name.as_str()));
+        self.routes.retain(|name| routes.contains(&name.as_str()));
     }
 }

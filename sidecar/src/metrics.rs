@@ -9,7 +9,18 @@ use prometheus::{
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use tailwarden_decide::breaker::State;
+
 use crate::{accounting::SloTargets, routes::RouteTable};
+
+/// `tailwarden_circuit_breaker_state`: 0 closed, 1 half-open, 2 open.
+pub fn breaker_gauge(state: State) -> i64 {
+    match state {
+        State::Closed => 0,
+        State::HalfOpen => 1,
+        State::Open => 2,
+    }
+}
 
 /// Buckets for request, attempt and time-to-first-token durations.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -313,7 +324,7 @@ impl Metrics {
     }
 
     /// Series that exist per configured route and provider, set when a config is loaded: the
-    /// breaker state of every provider (0, closed: a reload starts new breakers), the SLO
+    /// breaker state of every provider (as it is: breakers outlive reloads), the SLO
     /// objectives and their outcome counters (at 0 until a request is judged), and the pool
     /// gauges. Series of routes and providers no longer configured are removed.
     pub fn on_config(&self, table: &RouteTable) {
@@ -325,7 +336,7 @@ impl Metrics {
             for upstream in &route.upstreams {
                 self.breaker_state
                     .with_label_values(&[name, &upstream.name])
-                    .set(0);
+                    .set(breaker_gauge(upstream.breaker().state()));
             }
             let slo = SloTargets::of(&route.spec);
             for (objective, target) in [

@@ -29,21 +29,28 @@ use rand::Rng;
 use tokio::time::Instant;
 use tracing::Span;
 
-use crate::{
-    accounting::{Recorder, RequestInfo, SloTargets, Usage},
-    body::{ProxyBody, Relay},
+use tailwarden_decide::{
     breaker::{Permit, State, Transition},
-    cache::{CacheKey, Entry, NotCacheable},
+    cache_key::{CacheKey, NotCacheable},
     capabilities::{self, Decision},
     error::ApiError,
+    request::RequestBody,
+    retry::{self, FailureKind, RetryBudget},
+    schedule::{self, Action, GiveUp, Providers, Retry, Scheduler},
+    sse::{SseEvent, SseForwarder},
+    tiers::CompiledTier,
+    usage::{Usage, parse_usage},
+};
+
+use crate::{
+    accounting::{Recorder, RequestInfo, SloTargets},
+    body::{IntoResponse, ProxyBody, Relay},
+    cache::Entry,
     limits::{self, AdmissionGuard, Rejection, Scope},
     metrics::Metrics,
     reload::ConfigStatus,
-    request::RequestBody,
-    retry::{self, FailureKind},
     routes::{Registries, Route, RouteTable, Upstream},
     semantic::{self, Lookup},
-    sse::{SseEvent, SseForwarder},
     telemetry::{self, KeyValue},
 };
 
@@ -671,7 +678,7 @@ fn request_info(
     route: &Route,
     body: &RequestBody<'_>,
     request_id: &str,
-    tier: Option<&crate::tiers::CompiledTier>,
+    tier: Option<&CompiledTier>,
     stream: bool,
     arrived: Instant,
     span: &Span,
@@ -989,77 +996,126 @@ struct AttemptResult {
     span: Span,
 }
 
+/// The route's providers and budgets as the scheduler sees them: the balancer's choice among
+/// providers whose key is loaded, whose capability rules accept the request and whose
+/// breaker admits it; the breaker permit is the grant an attempt holds.
+struct LiveProviders<'c, 'a> {
+    call: &'c Call<'a>,
+}
+
+impl Providers for LiveProviders<'_, '_> {
+    type Grant = Permit;
+
+    fn pick(&mut self, now: std::time::Instant, exclude: &[usize]) -> Option<(usize, Permit)> {
+        let call = self.call;
+        let route = call.route;
+        let available = |i: usize| {
+            let u = &route.upstreams[i];
+            u.usable()
+                && !matches!(call.decisions.get(i), Some(Decision::Reject { .. }))
+                && u.breaker().is_available(now)
+        };
+        let mut excluded: Vec<usize> = exclude.to_vec();
+        // A breaker can turn a request away between the balancer's look and the permit (a
+        // half-open breaker's probe slots filled by another request): try the next one.
+        for _ in 0..=route.upstreams.len() {
+            let choice = route
+                .balancer
+                .pick(now, &mut rand::rng(), &excluded, available)?;
+            let upstream = &route.upstreams[choice];
+            let (result, transition) = upstream.breaker().try_acquire(now);
+            if let Some(t) = transition {
+                log_transition(call, upstream, &t);
+            }
+            if let Ok(permit) = result {
+                return Some((choice, permit));
+            }
+            excluded.push(choice);
+        }
+        None
+    }
+
+    fn cooldown_end(&self, now: std::time::Instant) -> Option<std::time::Instant> {
+        let route = self.call.route;
+        (0..route.upstreams.len())
+            .filter(|&i| route.upstreams[i].usable())
+            .filter_map(|i| route.balancer.cooling_until(i))
+            .filter(|&until| until > now)
+            .min()
+    }
+
+    fn ttft_quantile(&self, provider: usize, now: std::time::Instant, q: f64) -> Option<Duration> {
+        self.call.route.upstreams[provider]
+            .state
+            .ttft
+            .quantile(now, q)
+    }
+
+    fn retry_budget(&self) -> &RetryBudget {
+        &self.call.route.state.retry_budget
+    }
+
+    fn hedge_budget(&self) -> &RetryBudget {
+        &self.call.route.state.hedge_budget
+    }
+
+    fn jitter(&mut self) -> f64 {
+        rand::rng().random::<f64>()
+    }
+}
+
+/// Runs the request's attempts: a thin driver of the pure [`Scheduler`], which decides when
+/// to start, retry, hedge, wait or give up; this loop only starts what it says and reports
+/// what the attempts did.
 async fn run(call: &Call<'_>) -> Outcome {
     let route = call.route;
-    let settings = &route.settings;
     let metrics = &call.app.metrics;
     let dispatched = Instant::now();
-    let mut dispatch_delay = Duration::ZERO;
-    route.retry_budget.deposit(std_now());
-    route.hedge_budget.deposit(std_now());
-
+    let mut providers = LiveProviders { call };
+    let mut schedule = Scheduler::new(
+        route.settings.schedule,
+        dispatched.into_std(),
+        call.deadline.into_std(),
+        &providers,
+    );
     let mut inflight = FuturesUnordered::new();
     // Breaker permits of started attempts, reported exactly once (result or cancel).
     let mut permits: Vec<Option<Permit>> = Vec::new();
-    let mut tried: Vec<usize> = Vec::new();
-    let mut attempts: u32 = 0;
-    let mut hedged = false;
     let mut last_failure: Option<(usize, AttemptFailure)> = None;
-    let mut retry_at: Option<Instant> = Some(Instant::now());
-    let mut hedge_at: Option<Instant> = None;
-    let mut first_dispatch = true;
 
     loop {
-        // Start an attempt when one is due.
-        if let Some(at) = retry_at
-            && Instant::now() >= at
-        {
-            retry_at = None;
-            match pick(call, &tried) {
-                Some((idx, permit)) => {
-                    if first_dispatch {
-                        dispatch_delay = dispatched.elapsed();
-                        first_dispatch = false;
-                    }
-                    attempts += 1;
-                    tried.push(idx);
-                    permits.push(Some(permit));
-                    inflight.push(attempt(call, idx, permits.len() - 1, false));
-                    if settings.hedging
-                        && attempts < settings.max_attempts
-                        && hedge_at.is_none()
-                        && !hedged
-                    {
-                        let delay = hedge_delay(route, idx);
-                        hedge_at = Some(Instant::now() + delay);
-                    }
+        let wake = loop {
+            match schedule.next(std_now(), &mut providers) {
+                Action::Start { provider, grant } => {
+                    permits.push(Some(grant));
+                    inflight.push(attempt(call, provider, permits.len() - 1, false));
                 }
-                None => {
-                    if let Some(wait) = earliest_cooldown_end(route)
-                        && wait < call.deadline
-                    {
-                        retry_at = Some(wait);
-                        continue;
-                    }
-                    if inflight.is_empty() {
-                        return fail(call, last_failure, attempts, hedged, dispatch_delay, true);
-                    }
+                Action::Hedge { provider, grant } => {
+                    permits.push(Some(grant));
+                    metrics
+                        .hedges
+                        .with_label_values(&[&*route.name, "started"])
+                        .inc();
+                    let attempts = schedule.attempts();
+                    telemetry::event_with(call.span, "hedge", || {
+                        vec![
+                            KeyValue::new("tailwarden.hedge.outcome", "started"),
+                            KeyValue::new(
+                                "gen_ai.provider.name",
+                                route.upstreams[provider].name.to_string(),
+                            ),
+                            KeyValue::new("tailwarden.attempt", i64::from(attempts)),
+                        ]
+                    });
+                    inflight.push(attempt(call, provider, permits.len() - 1, true));
                 }
-            }
-        }
-        if inflight.is_empty() && retry_at.is_none() {
-            return fail(call, last_failure, attempts, hedged, dispatch_delay, false);
-        }
-        let retry_sleep = async {
-            match retry_at {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        let hedge_sleep = async {
-            match hedge_at {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
+                Action::Wait { until } => break Instant::from_std(until),
+                Action::GiveUp(why) => {
+                    drop(inflight);
+                    cancel_permits(route, schedule.tried(), &mut permits);
+                    let dispatch_delay = dispatch_delay(&schedule, dispatched);
+                    return give_up(call, why, last_failure, &schedule, dispatch_delay);
+                }
             }
         };
         tokio::select! {
@@ -1090,6 +1146,7 @@ async fn run(call: &Call<'_>) -> Outcome {
                             record_success(call, idx, permit, elapsed);
                             None
                         };
+                        let hedged = schedule.hedged();
                         if hedged {
                             let outcome = if hedge { "won" } else { "lost" };
                             metrics.hedges.with_label_values(&[&*route.name, outcome]).inc();
@@ -1100,7 +1157,7 @@ async fn run(call: &Call<'_>) -> Outcome {
                         }
                         // Dropping `inflight` cancels the losing attempts now.
                         drop(inflight);
-                        cancel_permits(route, &tried, &mut permits);
+                        cancel_permits(route, schedule.tried(), &mut permits);
                         return Outcome::Won(Box::new(Won {
                             upstream: idx,
                             status: started.status,
@@ -1112,9 +1169,9 @@ async fn run(call: &Call<'_>) -> Outcome {
                             usage: started.usage,
                             permit: started.permit,
                             verdict,
-                            attempts,
+                            attempts: schedule.attempts(),
                             hedged,
-                            dispatch_delay,
+                            dispatch_delay: dispatch_delay(&schedule, dispatched),
                             committed_at: Instant::now(),
                             span,
                         }));
@@ -1122,77 +1179,98 @@ async fn run(call: &Call<'_>) -> Outcome {
                     Err(failure) => {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, failure.kind.as_str()]).observe(elapsed.as_secs_f64());
                         record_failure(call, idx, permit, &failure, elapsed);
-                        let retryable = failure.kind.is_retryable(&settings.retry_classes);
                         let reason = failure.kind.as_str();
+                        let retry = schedule.on_failure(std_now(), failure.kind, &mut providers);
                         last_failure = Some((idx, failure));
-                        if retryable && attempts < settings.max_attempts && retry_at.is_none() {
-                            if route.retry_budget.try_withdraw(std_now()) {
-                                metrics.retries.with_label_values(&[&*route.name, &*upstream.name, reason]).inc();
-                                let backoff = retry::backoff(
-                                    attempts,
-                                    settings.backoff_base,
-                                    settings.backoff_max,
-                                    rand::rng().random::<f64>(),
-                                );
-                                let at = Instant::now() + backoff;
-                                if at < call.deadline {
-                                    retry_at = Some(at);
-                                }
-                                telemetry::event_with(call.span, "retry", || vec![
-                                    KeyValue::new("tailwarden.retry.reason", reason),
-                                    KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
-                                    KeyValue::new("tailwarden.attempt", i64::from(attempts)),
-                                    KeyValue::new("tailwarden.retry.backoff_ms", backoff.as_secs_f64() * 1000.0),
-                                    KeyValue::new("tailwarden.retry.scheduled", at < call.deadline),
-                                ]);
-                            } else {
-                                tracing::debug!(route = %route.name, "retry budget exhausted; not retrying");
-                                metrics.retries.with_label_values(&[&*route.name, &*upstream.name, "budget_exhausted"]).inc();
-                                telemetry::event_with(call.span, "retry_denied", || vec![
-                                    KeyValue::new("tailwarden.retry.reason", reason),
-                                    KeyValue::new("tailwarden.retry.denied_by", "budget_exhausted"),
-                                    KeyValue::new("gen_ai.provider.name", upstream.name.to_string()),
-                                ]);
-                            }
-                        }
+                        note_retry(call, idx, reason, retry, schedule.attempts());
                     }
                 }
             }
-            () = retry_sleep => {}
-            () = hedge_sleep => {
-                hedge_at = None;
-                if attempts < settings.max_attempts && route.hedge_budget.try_withdraw(std_now())
-                    && let Some((idx, permit)) = pick(call, &tried) {
-                        attempts += 1;
-                        hedged = true;
-                        tried.push(idx);
-                        permits.push(Some(permit));
-                        metrics.hedges.with_label_values(&[&*route.name, "started"]).inc();
-                        telemetry::event_with(call.span, "hedge", || vec![
-                            KeyValue::new("tailwarden.hedge.outcome", "started"),
-                            KeyValue::new("gen_ai.provider.name", route.upstreams[idx].name.to_string()),
-                            KeyValue::new("tailwarden.attempt", i64::from(attempts)),
-                        ]);
-                        inflight.push(attempt(call, idx, permits.len() - 1, true));
-                    }
-            }
-            () = tokio::time::sleep_until(call.deadline) => {
-                drop(inflight);
-                cancel_permits(route, &tried, &mut permits);
-                let response = ApiError::gateway_timeout(format!(
-                    "No provider answered within the route's total deadline of {} (spec.timeouts.total).",
-                    tailwarden_crds::units::format_duration(settings.total)
-                ))
-                .into_response();
-                return Outcome::Failed(Box::new(Failed {
-                    upstream: last_failure.map(|(i, _)| i),
-                    response,
-                    attempts,
-                    hedged,
-                    error_type: "total_timeout",
-                    dispatch_delay,
-                }));
-            }
+            () = tokio::time::sleep_until(wake) => {}
+        }
+    }
+}
+
+/// Time from the request's dispatch to its first attempt: the sidecar's own delay (a wait
+/// for a cool-down included).
+fn dispatch_delay(schedule: &Scheduler, dispatched: Instant) -> Duration {
+    schedule.first_start().map_or_else(
+        || dispatched.elapsed(),
+        |t| t.saturating_duration_since(dispatched.into_std()),
+    )
+}
+
+/// Metrics, span events and a debug line for what the scheduler made of a failure.
+fn note_retry(call: &Call<'_>, idx: usize, reason: &'static str, retry: Retry, attempts: u32) {
+    let route = call.route;
+    let metrics = &call.app.metrics;
+    let provider = &route.upstreams[idx].name;
+    match retry {
+        Retry::Scheduled { backoff, .. } | Retry::TooLate { backoff } => {
+            let scheduled = matches!(retry, Retry::Scheduled { .. });
+            metrics
+                .retries
+                .with_label_values(&[&*route.name, &**provider, reason])
+                .inc();
+            telemetry::event_with(call.span, "retry", || {
+                vec![
+                    KeyValue::new("tailwarden.retry.reason", reason),
+                    KeyValue::new("gen_ai.provider.name", provider.to_string()),
+                    KeyValue::new("tailwarden.attempt", i64::from(attempts)),
+                    KeyValue::new(
+                        "tailwarden.retry.backoff_ms",
+                        backoff.as_secs_f64() * 1000.0,
+                    ),
+                    KeyValue::new("tailwarden.retry.scheduled", scheduled),
+                ]
+            });
+        }
+        Retry::BudgetRefused => {
+            tracing::debug!(route = %route.name, "retry budget exhausted; not retrying");
+            metrics
+                .retries
+                .with_label_values(&[&*route.name, &**provider, "budget_exhausted"])
+                .inc();
+            telemetry::event_with(call.span, "retry_denied", || {
+                vec![
+                    KeyValue::new("tailwarden.retry.reason", reason),
+                    KeyValue::new("tailwarden.retry.denied_by", "budget_exhausted"),
+                    KeyValue::new("gen_ai.provider.name", provider.to_string()),
+                ]
+            });
+        }
+        Retry::NotRetried => {}
+    }
+}
+
+/// The response when the scheduler gave up.
+fn give_up(
+    call: &Call<'_>,
+    why: GiveUp,
+    last_failure: Option<(usize, AttemptFailure)>,
+    schedule: &Scheduler,
+    dispatch_delay: Duration,
+) -> Outcome {
+    let (attempts, hedged) = (schedule.attempts(), schedule.hedged());
+    match why {
+        GiveUp::Deadline => {
+            let response = ApiError::gateway_timeout(format!(
+                "No provider answered within the route's total deadline of {} (spec.timeouts.total).",
+                tailwarden_crds::units::format_duration(call.route.settings.total)
+            ))
+            .into_response();
+            Outcome::Failed(Box::new(Failed {
+                upstream: last_failure.map(|(i, _)| i),
+                response,
+                attempts,
+                hedged,
+                error_type: "total_timeout",
+                dispatch_delay,
+            }))
+        }
+        GiveUp::Exhausted => fail(call, last_failure, attempts, hedged, dispatch_delay, false),
+        GiveUp::NothingAvailable => {
+            fail(call, last_failure, attempts, hedged, dispatch_delay, true)
         }
     }
 }
@@ -1201,71 +1279,13 @@ fn std_now() -> std::time::Instant {
     Instant::now().into_std()
 }
 
-/// Picks a provider not tried yet if possible, else any available one, and takes a breaker
-/// permit for it.
-fn pick(call: &Call<'_>, tried: &[usize]) -> Option<(usize, Permit)> {
-    let route = call.route;
-    let now = std_now();
-    let available = |i: usize| {
-        let u = &route.upstreams[i];
-        u.usable()
-            && !matches!(call.decisions.get(i), Some(Decision::Reject { .. }))
-            && u.breaker
-                .lock()
-                .map(|b| b.is_available(now))
-                .unwrap_or(false)
-    };
-    let mut rng = rand::rng();
-    let mut exclude: Vec<usize> = tried.to_vec();
-    for _ in 0..=route.upstreams.len() {
-        let choice = route
-            .balancer
-            .pick(now, &mut rng, &exclude, available)
-            .or_else(|| route.balancer.pick(now, &mut rng, &[], available))?;
-        let acquired = route.upstreams[choice]
-            .breaker
-            .lock()
-            .map(|mut b| b.try_acquire(now));
-        if let Ok((result, transition)) = acquired {
-            if let Some(t) = transition {
-                log_transition(call, &route.upstreams[choice], &t);
-            }
-            if let Ok(permit) = result {
-                return Some((choice, permit));
-            }
-        }
-        if exclude.contains(&choice) {
-            return None;
-        }
-        exclude.push(choice);
-    }
-    None
-}
-
 /// Releases the permits of attempts that never reported (cancelled losers).
 fn cancel_permits(route: &Route, tried: &[usize], permits: &mut [Option<Permit>]) {
     for (slot, permit) in permits.iter_mut().enumerate() {
-        if let (Some(permit), Some(&idx)) = (permit.take(), tried.get(slot))
-            && let Ok(mut b) = route.upstreams[idx].breaker.lock()
-        {
-            b.on_cancel(permit);
+        if let (Some(permit), Some(&idx)) = (permit.take(), tried.get(slot)) {
+            route.upstreams[idx].breaker().on_cancel(permit);
         }
     }
-}
-
-fn earliest_cooldown_end(route: &Route) -> Option<Instant> {
-    let now = std_now();
-    (0..route.upstreams.len())
-        .filter(|&i| route.upstreams[i].usable())
-        .filter_map(|i| route.balancer.cooling_until(i))
-        .filter(|&until| until > now)
-        .min()
-        .map(Instant::from_std)
-}
-
-fn hedge_delay(route: &Route, idx: usize) -> Duration {
-    let observed = route.upstreams[idx].ttft.p95(std_now());
-    crate::hedge::hedge_delay(route.settings.hedge_mode, observed, route.settings.slo_ttft)
 }
 
 /// The breaker's verdict on a stream, given when the stream ends: a provider that cuts its
@@ -1289,6 +1309,7 @@ impl StreamVerdict {
         let now = std_now();
         let transition = self
             .upstream
+            .state
             .breaker
             .lock()
             .ok()
@@ -1305,6 +1326,7 @@ impl StreamVerdict {
         let now = std_now();
         let transition = self
             .upstream
+            .state
             .breaker
             .lock()
             .ok()
@@ -1323,7 +1345,7 @@ impl Drop for StreamVerdict {
     /// No verdict (the client left, the route's total deadline): the permit is released.
     fn drop(&mut self) {
         if let Some(permit) = self.permit.take()
-            && let Ok(mut b) = self.upstream.breaker.lock()
+            && let Ok(mut b) = self.upstream.state.breaker.lock()
         {
             b.on_cancel(permit);
         }
@@ -1333,7 +1355,7 @@ impl Drop for StreamVerdict {
 fn record_first_byte(call: &Call<'_>, idx: usize, elapsed: Duration) {
     let now = std_now();
     call.route.balancer.record_ttft(idx, now, elapsed);
-    call.route.upstreams[idx].ttft.record(now, elapsed);
+    call.route.upstreams[idx].state.ttft.record(now, elapsed);
 }
 
 fn record_success(call: &Call<'_>, idx: usize, permit: Option<Permit>, elapsed: Duration) {
@@ -1344,6 +1366,7 @@ fn record_success(call: &Call<'_>, idx: usize, permit: Option<Permit>, elapsed: 
     let Some(permit) = permit else { return };
     let jitter = rand::rng().random::<f64>();
     let transition = upstream
+        .state
         .breaker
         .lock()
         .ok()
@@ -1365,9 +1388,8 @@ fn record_failure(
     let upstream = &route.upstreams[idx];
     tracing::debug!(route = %route.name, provider = %upstream.name, kind = failure.kind.as_str(), message = %failure.message, "attempt failed");
     route.balancer.record_latency(idx, now, elapsed);
-    if let Some(permit) = permit
-        && let Ok(mut b) = upstream.breaker.lock()
-    {
+    if let Some(permit) = permit {
+        let mut b = upstream.breaker();
         // A 429 is the provider pacing us: the Retry-After cool-down handles it, so it
         // does not also count toward opening the circuit.
         if failure.kind.counts_against_provider() && failure.kind != FailureKind::Status(429) {
@@ -1381,16 +1403,10 @@ fn record_failure(
             b.on_cancel(permit);
         }
     }
-    if let FailureKind::Status(code @ (429 | 503)) = failure.kind {
-        let settings = &route.settings;
-        let wait = match failure.retry_after {
-            Some(d) if settings.honor_retry_after => d.min(settings.max_retry_after),
-            _ if code == 429 => Duration::from_secs(1),
-            _ => Duration::ZERO,
-        };
-        if !wait.is_zero() {
-            route.balancer.cool_down(idx, now + wait);
-        }
+    if let Some(wait) =
+        schedule::cooldown(failure.kind, failure.retry_after, &route.settings.cooldown)
+    {
+        route.balancer.cool_down(idx, now + wait);
     }
 }
 
@@ -1497,7 +1513,7 @@ fn unavailable_reasons(call: &Call<'_>) -> String {
         .map(|(i, u)| {
             let why = if let Some(Decision::Reject { params, .. }) = call.decisions.get(i) {
                 format!("does not support {}", params.join(", "))
-            } else if let Some(reason) = u.unusable.lock().ok().and_then(|r| r.clone()) {
+            } else if let Some(reason) = u.state.unusable.lock().ok().and_then(|r| r.clone()) {
                 reason
             } else if let Some(until) = route.balancer.cooling_until(i).filter(|t| *t > now) {
                 format!(
@@ -1505,6 +1521,7 @@ fn unavailable_reasons(call: &Call<'_>) -> String {
                     (until - now).as_millis()
                 )
             } else if u
+                .state
                 .breaker
                 .lock()
                 .map(|b| !b.is_available(now))
@@ -1872,42 +1889,4 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
-}
-
-/// Usage of a non-stream response body.
-fn parse_usage(body: &[u8]) -> Option<Usage> {
-    #[derive(serde::Deserialize)]
-    struct Body {
-        usage: Option<RawUsage>,
-    }
-    #[derive(serde::Deserialize)]
-    struct RawUsage {
-        prompt_tokens: Option<u64>,
-        completion_tokens: Option<u64>,
-        prompt_tokens_details: Option<PromptDetails>,
-        completion_tokens_details: Option<CompletionDetails>,
-    }
-    #[derive(serde::Deserialize)]
-    struct PromptDetails {
-        cached_tokens: Option<u64>,
-    }
-    #[derive(serde::Deserialize)]
-    struct CompletionDetails {
-        reasoning_tokens: Option<u64>,
-    }
-    let parsed: Body = serde_json::from_slice(body).ok()?;
-    let u = parsed.usage?;
-    Some(Usage {
-        input: u.prompt_tokens.unwrap_or(0),
-        cached_input: u
-            .prompt_tokens_details
-            .and_then(|d| d.cached_tokens)
-            .unwrap_or(0),
-        output: u.completion_tokens.unwrap_or(0),
-        reasoning: u
-            .completion_tokens_details
-            .and_then(|d| d.reasoning_tokens)
-            .unwrap_or(0),
-        estimated: false,
-    })
 }

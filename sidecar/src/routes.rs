@@ -3,28 +3,35 @@
 //!
 //! A [`RouteTable`] is immutable once built and swapped atomically on reload; requests hold
 //! the `Arc` of the table they started with, so in-flight requests finish on their config.
+//! What the sidecar learned at run time (breakers, cool-downs, EWMA, TTFT quantiles, budgets,
+//! pools, limiters, caches) is not part of it: each compiled route and provider points at
+//! its entry in the [`Registries`] ([`crate::state`]), which outlive every config.
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::Duration,
 };
 
-use arc_swap::ArcSwapOption;
 use http::{HeaderName, HeaderValue, Uri};
 use tailwarden_crds::{InferenceRoute, InferenceRouteSpec, Provider, RetryOn, Tier};
 
-use crate::{
-    accounting::Price,
+use tailwarden_decide::{
     balance::{BalanceSettings, Balancer, EndpointSpec},
     breaker::{BreakerSettings, CircuitBreaker},
-    cache::{Caches, ExactCache},
     capabilities::CapabilityMap,
-    hedge::{HedgeMode, QuantileSettings, TtftQuantiles, hedge_budget},
+    hedge::HedgeMode,
+    retry::{BudgetSettings, RetryClasses},
+    schedule::{AUTO_HEDGE_QUANTILE, CooldownSettings, HedgePolicy, Policy},
+    tiers::{TierError, TierSet},
+    usage::Price,
+};
+
+use crate::{
+    cache::{Caches, ExactCache},
     limits::{LimitConfigError, Limiters, RouteLimiter},
     metrics::Metrics,
-    retry::{BudgetSettings, RetryBudget, RetryClasses},
-    tiers::{TierError, TierSet},
+    state::{BUDGET_WINDOW, BudgetKey, ProviderKey, ProviderState, Registry, RouteState},
     upstream::{Pool, PoolCache},
 };
 
@@ -48,17 +55,14 @@ pub struct Upstream {
     pub key_source: KeySource,
     pub auth_header: HeaderName,
     auth_scheme: String,
-    /// The current auth header value; swapped when a key file changes.
-    auth_value: ArcSwapOption<HeaderValue>,
-    /// Why the provider cannot be used (its key is missing), if so.
-    pub unusable: Mutex<Option<String>>,
     pub model_map: BTreeMap<String, String>,
     pub prices: HashMap<String, Price>,
     pub pool: Pool,
-    pub breaker: Mutex<CircuitBreaker>,
-    pub ttft: TtftQuantiles,
     /// Parameters this provider does not support (`capabilities`), decided per attempt.
     pub capabilities: CapabilityMap,
+    /// What the sidecar learned about this provider (breaker, cool-down, EWMA, TTFT
+    /// quantiles, key): kept across reloads while the provider's name and baseUrl hold.
+    pub state: Arc<ProviderState>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -75,7 +79,17 @@ impl std::fmt::Debug for Upstream {
 impl Upstream {
     /// The auth header value, if the provider uses a key and it is loaded.
     pub fn auth_value(&self) -> Option<Arc<HeaderValue>> {
-        self.auth_value.load_full()
+        self.state.auth_value.load_full()
+    }
+
+    /// The provider's circuit breaker.
+    pub fn breaker(&self) -> std::sync::MutexGuard<'_, CircuitBreaker> {
+        self.state.breaker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Why the provider cannot be used, if so.
+    pub fn unusable_reason(&self) -> Option<String> {
+        self.state.unusable.lock().ok().and_then(|r| r.clone())
     }
 
     /// The provider's name for a client model.
@@ -109,12 +123,16 @@ impl Upstream {
             value.set_sensitive(true);
             Ok(value)
         });
-        let mut unusable = self.unusable.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unusable = self
+            .state
+            .unusable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         match result {
             Ok(value) => {
-                let changed = self.auth_value.load().as_deref() != Some(&value);
+                let changed = self.state.auth_value.load().as_deref() != Some(&value);
                 if changed {
-                    self.auth_value.store(Some(Arc::new(value)));
+                    self.state.auth_value.store(Some(Arc::new(value)));
                 }
                 *unusable = None;
                 changed
@@ -124,7 +142,7 @@ impl Upstream {
                 if changed {
                     tracing::warn!(provider = %self.name, %reason, "provider key unavailable; the provider is skipped");
                 }
-                self.auth_value.store(None);
+                self.state.auth_value.store(None);
                 *unusable = Some(reason);
                 changed
             }
@@ -133,7 +151,11 @@ impl Upstream {
 
     /// Whether requests can be sent (the key, if any, is loaded).
     pub fn usable(&self) -> bool {
-        self.unusable.lock().map(|u| u.is_none()).unwrap_or(false)
+        self.state
+            .unusable
+            .lock()
+            .map(|u| u.is_none())
+            .unwrap_or(false)
     }
 }
 
@@ -144,18 +166,14 @@ pub struct Settings {
     pub first_byte: Duration,
     pub idle: Duration,
     pub total: Duration,
-    pub max_attempts: u32,
-    pub backoff_base: Duration,
-    pub backoff_max: Duration,
-    pub retry_classes: RetryClasses,
-    pub honor_retry_after: bool,
-    pub max_retry_after: Duration,
-    pub hedging: bool,
-    pub hedge_mode: HedgeMode,
     pub slo_ttft: Option<Duration>,
     pub include_usage: bool,
     pub heartbeat: Option<Duration>,
     pub max_body_bytes: u64,
+    /// What the attempt scheduler needs (`retries`, `hedging`, `slo.ttftP99`).
+    pub schedule: Policy,
+    /// How long a 429/503 takes its provider out of rotation (`retries.honorRetryAfter`).
+    pub cooldown: CooldownSettings,
 }
 
 /// One route, compiled.
@@ -165,8 +183,8 @@ pub struct Route {
     pub settings: Settings,
     pub upstreams: Vec<Arc<Upstream>>,
     pub balancer: Balancer,
-    pub retry_budget: RetryBudget,
-    pub hedge_budget: RetryBudget,
+    /// The retry and hedge budgets, kept across reloads while their settings hold.
+    pub state: Arc<RouteState>,
     pub tiers: Vec<Tier>,
     /// The tiers compiled (regexes, keywords, header names): see [`TierSet::choose_for`].
     pub tier_set: TierSet,
@@ -189,6 +207,10 @@ pub struct Registries {
     pub limiters: Limiters,
     pub caches: Caches,
     pub semantic: crate::semantic::SemanticCaches,
+    /// Breakers, cool-downs, EWMA, TTFT quantiles and keys, per route and provider.
+    pub providers: Registry<ProviderKey, (), Arc<ProviderState>>,
+    /// Retry and hedge budgets, per route.
+    pub routes: Registry<Arc<str>, BudgetKey, Arc<RouteState>>,
 }
 
 impl Registries {
@@ -199,6 +221,8 @@ impl Registries {
             limiters: Limiters::new(Some(metrics.limit_backend_errors.clone())),
             caches: Caches::new(Some(metrics.cache_backend_errors.clone())),
             semantic: crate::semantic::SemanticCaches::default(),
+            providers: Registry::default(),
+            routes: Registry::default(),
         }
     }
 }
@@ -282,6 +306,16 @@ impl RouteTable {
         registries.limiters.retain(&names);
         registries.caches.retain(&names);
         registries.semantic.retain(&names);
+        registries.routes.retain(|route| names.contains(&&**route));
+        registries.providers.retain(|key| {
+            table.routes.iter().any(|r| {
+                r.name == key.route
+                    && r.spec
+                        .providers
+                        .iter()
+                        .any(|p| p.name == key.provider && p.base_url == key.base_url)
+            })
+        });
         table.source = routes;
         Ok(table)
     }
@@ -346,17 +380,33 @@ fn compile_route(
     let mut upstreams = Vec::with_capacity(spec.providers.len());
     let mut endpoints = Vec::with_capacity(spec.providers.len());
     for provider in &spec.providers {
-        let upstream = compile_upstream(&name, provider, &settings, &breaker_settings, pools)?;
+        let key = ProviderKey {
+            route: name.clone(),
+            provider: provider.name.clone(),
+            base_url: provider.base_url.clone(),
+        };
+        let state = registries.providers.get_or_build(&key, &(), || {
+            Arc::new(ProviderState::new(breaker_settings.clone()))
+        });
+        state
+            .breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .reconfigure(breaker_settings.clone(), std::time::Instant::now());
+        let upstream = compile_upstream(&name, provider, &settings, state, pools)?;
         in_use.push((
             upstream.origin.clone(),
             settings.connect,
             provider.max_connections,
         ));
-        endpoints.push(EndpointSpec {
-            name: provider.name.clone(),
-            weight: provider.weight,
-            priority: provider.priority,
-        });
+        endpoints.push((
+            EndpointSpec {
+                name: provider.name.clone(),
+                weight: provider.weight,
+                priority: provider.priority,
+            },
+            upstream.state.endpoint.clone(),
+        ));
         upstreams.push(Arc::new(upstream));
     }
     let tier_set = TierSet::compile(&spec.tiers).map_err(|source| CompileError::Tier {
@@ -384,8 +434,19 @@ fn compile_route(
         .as_ref()
         .and_then(|s| s.latency_p99.as_ref())
         .map(|d| d.get());
+    let budgets = BudgetKey {
+        retry: BudgetSettings {
+            percent: f64::from(spec.retries.budget_percent),
+            min_per_second: spec.retries.min_retries_per_second,
+            window: BUDGET_WINDOW,
+        },
+        hedge_percent: f64::from(spec.hedging.max_percent),
+    };
+    let state = registries
+        .routes
+        .get_or_build(&name, &budgets, || Arc::new(RouteState::new(&budgets)));
     Ok(Route {
-        balancer: Balancer::new(
+        balancer: Balancer::with_state(
             endpoints,
             BalanceSettings {
                 ttft_budget: settings.slo_ttft,
@@ -393,18 +454,7 @@ fn compile_route(
                 ..BalanceSettings::default()
             },
         ),
-        retry_budget: RetryBudget::new(
-            BudgetSettings {
-                percent: f64::from(spec.retries.budget_percent),
-                min_per_second: spec.retries.min_retries_per_second,
-                window: Duration::from_secs(10),
-            },
-            std::time::Instant::now(),
-        ),
-        hedge_budget: hedge_budget(
-            f64::from(spec.hedging.max_percent),
-            std::time::Instant::now(),
-        ),
+        state,
         tiers: spec.tiers.clone(),
         tier_set,
         limiter,
@@ -420,36 +470,44 @@ fn compile_route(
 
 fn settings(spec: &InferenceRouteSpec) -> Settings {
     let retry_on = &spec.retries.retry_on;
+    let slo_ttft = spec
+        .slo
+        .as_ref()
+        .and_then(|s| s.ttft_p99.as_ref())
+        .map(|d| d.get());
     Settings {
         connect: spec.timeouts.connect.get(),
         first_byte: spec.timeouts.first_byte.get(),
         idle: spec.timeouts.idle.get(),
         total: spec.timeouts.total.get(),
-        max_attempts: spec.retries.max_attempts.max(1),
-        backoff_base: spec.retries.backoff.base.get(),
-        backoff_max: spec.retries.backoff.max.get(),
-        retry_classes: RetryClasses {
-            connect: retry_on.contains(&RetryOn::Connect),
-            reset: retry_on.contains(&RetryOn::Reset),
-            status_5xx: retry_on.contains(&RetryOn::Status5xx),
-            status_429: retry_on.contains(&RetryOn::Status429),
-            first_byte_timeout: retry_on.contains(&RetryOn::FirstByteTimeout),
-        },
-        honor_retry_after: spec.retries.honor_retry_after,
-        max_retry_after: spec.retries.max_retry_after.get(),
-        hedging: spec.hedging.enabled,
-        hedge_mode: spec
-            .hedging
-            .fixed_delay()
-            .map_or(HedgeMode::Auto, HedgeMode::Fixed),
-        slo_ttft: spec
-            .slo
-            .as_ref()
-            .and_then(|s| s.ttft_p99.as_ref())
-            .map(|d| d.get()),
+        slo_ttft,
         include_usage: spec.streaming.include_usage,
         heartbeat: spec.streaming.heartbeat_interval.as_ref().map(|d| d.get()),
         max_body_bytes: spec.limits.max_body_bytes.get(),
+        schedule: Policy {
+            max_attempts: spec.retries.max_attempts.max(1),
+            retry_classes: RetryClasses {
+                connect: retry_on.contains(&RetryOn::Connect),
+                reset: retry_on.contains(&RetryOn::Reset),
+                status_5xx: retry_on.contains(&RetryOn::Status5xx),
+                status_429: retry_on.contains(&RetryOn::Status429),
+                first_byte_timeout: retry_on.contains(&RetryOn::FirstByteTimeout),
+            },
+            backoff_base: spec.retries.backoff.base.get(),
+            backoff_max: spec.retries.backoff.max.get(),
+            hedge: spec.hedging.enabled.then(|| HedgePolicy {
+                mode: spec
+                    .hedging
+                    .fixed_delay()
+                    .map_or(HedgeMode::Auto, HedgeMode::Fixed),
+                slo_ttft,
+                quantile: AUTO_HEDGE_QUANTILE,
+            }),
+        },
+        cooldown: CooldownSettings {
+            honor_retry_after: spec.retries.honor_retry_after,
+            max_retry_after: spec.retries.max_retry_after.get(),
+        },
     }
 }
 
@@ -457,7 +515,7 @@ fn compile_upstream(
     route: &str,
     provider: &Provider,
     settings: &Settings,
-    breaker_settings: &BreakerSettings,
+    state: Arc<ProviderState>,
     pools: &PoolCache,
 ) -> Result<Upstream, CompileError> {
     let bad_url = |reason: &str| CompileError::BaseUrl {
@@ -520,29 +578,31 @@ fn compile_upstream(
         key_source: key_source.clone(),
         auth_header,
         auth_scheme,
-        auth_value: ArcSwapOption::empty(),
-        unusable: Mutex::new(None),
         model_map: provider.model_map.clone(),
         prices,
         pool,
-        breaker: Mutex::new(CircuitBreaker::new(
-            breaker_settings.clone(),
-            std::time::Instant::now(),
-        )),
-        ttft: TtftQuantiles::new(QuantileSettings::default(), std::time::Instant::now()),
         capabilities: CapabilityMap::new(&provider.capabilities),
+        state,
     };
     if let KeySource::File(path) = &key_source
         && path.is_empty()
     {
-        *upstream.unusable.lock().unwrap_or_else(|p| p.into_inner()) = Some(
+        *upstream
+            .state
+            .unusable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(
                 "auth.secretRef needs the operator: a standalone sidecar reads keys from auth.env or auth.file".into(),
             );
         return Ok(upstream);
     }
     upstream.refresh_key();
     if key_source == KeySource::None {
-        *upstream.unusable.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *upstream
+            .state
+            .unusable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
     }
     Ok(upstream)
 }

@@ -8,11 +8,7 @@
 //! connection count).
 //! Clients are cached across config reloads, so a reload never throws warm connections away.
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -23,7 +19,7 @@ use hyper_util::{
 };
 use tokio::sync::Semaphore;
 
-use crate::dns::CachingResolver;
+use crate::{dns::CachingResolver, state::Registry};
 
 /// The request body type sent upstream: the (possibly rewritten) client body, in memory.
 pub type UpstreamBody = Full<Bytes>;
@@ -58,7 +54,7 @@ struct PoolKey {
 /// Clients shared across config reloads, keyed by origin and connection settings.
 #[derive(Default)]
 pub struct PoolCache {
-    pools: Mutex<HashMap<PoolKey, Pool>>,
+    pools: Registry<PoolKey, (), Pool>,
 }
 
 impl std::fmt::Debug for PoolCache {
@@ -75,21 +71,16 @@ impl PoolCache {
             connect_timeout,
             max_connections,
         };
-        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools
-            .entry(key)
-            .or_insert_with(|| Pool {
-                client: build_client(connect_timeout, max_connections),
-                limit: Arc::new(Semaphore::new(max_connections as usize)),
-                max_connections,
-            })
-            .clone()
+        self.pools.get_or_build(&key, &(), || Pool {
+            client: build_client(connect_timeout, max_connections),
+            limit: Arc::new(Semaphore::new(max_connections as usize)),
+            max_connections,
+        })
     }
 
     /// Drops pools no longer used by the current config.
     pub fn retain(&self, in_use: &[(String, Duration, u32)]) {
-        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools.retain(|k, _| {
+        self.pools.retain(|k| {
             in_use.iter().any(|(o, c, m)| {
                 *o == k.origin && *c == k.connect_timeout && *m == k.max_connections
             })

@@ -10,10 +10,8 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::json;
 use tailwarden_crds::CacheScope;
-use tailwarden_sidecar::{
-    cache::{CacheKey, CacheSettings, ExactCache, NotCacheable, canonical_json},
-    request::RequestBody,
-};
+use tailwarden_decide::{cache_key::canonical_json, request::RequestBody};
+use tailwarden_sidecar::cache::{CacheKey, CacheSettings, ExactCache, NotCacheable};
 use tokio::time::advance;
 
 fn settings() -> CacheSettings {

@@ -8,12 +8,10 @@ use std::{sync::Arc, time::Duration};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::json;
 use tailwarden_crds::RateLimit;
-use tailwarden_sidecar::{
-    limits::{
-        AdmissionGuard, LimitKind, LimiterOptions, Limiters, Rejection, RouteLimiter, Scope, admit,
-        estimate_tokens, retry_after_secs,
-    },
-    request::RequestBody,
+use tailwarden_decide::request::RequestBody;
+use tailwarden_sidecar::limits::{
+    AdmissionGuard, LimitKind, LimiterOptions, Limiters, Rejection, RouteLimiter, Scope, admit,
+    estimate_tokens, retry_after_secs,
 };
 use tokio::time::{Instant, advance};
 

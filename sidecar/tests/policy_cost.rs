@@ -14,11 +14,10 @@ use std::{
 use http::{HeaderMap, HeaderValue};
 use serde_json::json;
 use tailwarden_crds::{CacheScope, RateLimit, Tier};
+use tailwarden_decide::{request::RequestBody, tiers::TierSet};
 use tailwarden_sidecar::{
     cache::{CacheSettings, ExactCache},
     limits::{LimiterOptions, RouteLimiter, admit, estimate_tokens},
-    request::RequestBody,
-    tiers::TierSet,
 };
 
 const N: u32 = 200_000;

@@ -6,7 +6,7 @@
 use http::{HeaderMap, HeaderValue};
 use serde_json::json;
 use tailwarden_crds::{CapabilityRule, Tier};
-use tailwarden_sidecar::{
+use tailwarden_decide::{
     capabilities::{CapabilityMap, Decision, no_provider_supports},
     request::RequestBody,
     tiers::{Prompt, TierError, TierSet},

@@ -168,3 +168,205 @@ async fn invalid_config_keeps_the_last_good_one_and_says_why() {
         "{metrics}"
     );
 }
+
+/// Rewrites the route file and waits until the sidecar serves the new routes.
+async fn reload_to(sc: &Sidecar, yaml: &str) {
+    let before = sc.app.config_status().hash;
+    write_atomically(&sc.config, yaml);
+    let app = sc.app.clone();
+    assert!(
+        wait_until(Duration::from_secs(10), || app.config_status().hash
+            != before)
+        .await,
+        "the new routes were loaded"
+    );
+}
+
+fn primary_and_backup(primary: &str, backup: &str, spec: &str) -> String {
+    route(
+        &[("primary", primary, 100, 0), ("backup", backup, 100, 1)],
+        spec,
+    )
+}
+
+/// A circuit breaker opened during an outage stays open when the route file changes in
+/// ways that do not concern the provider: traffic keeps avoiding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_stays_open_across_an_unrelated_reload() {
+    let healthy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = healthy.clone();
+    let primary = upstream(move |_, _| {
+        if h.load(Ordering::SeqCst) {
+            ok("primary")
+        } else {
+            status(500)
+        }
+    })
+    .await;
+    let backup = upstream(|_, _| ok("backup")).await;
+    let spec = |first_byte: &str| {
+        format!(
+            "  retries: {{backoff: {{base: 1ms, max: 2ms}}, budgetPercent: 100}}\n  circuitBreaker: {{consecutiveFailures: 3, openFor: 60s}}\n  timeouts: {{firstByte: {first_byte}}}\n"
+        )
+    };
+    let sc = sidecar(&primary_and_backup(
+        &primary.base_url(),
+        &backup.base_url(),
+        &spec("10s"),
+    ))
+    .await;
+    for _ in 0..5 {
+        assert_eq!(chat(&sc, false).await.status, 200);
+    }
+    assert_eq!(primary.count(), 3, "the breaker opened after 3 failures");
+
+    // The provider recovers, but its breaker is open for another minute: an unrelated edit
+    // to the route (a timeout) must not close it.
+    healthy.store(true, Ordering::SeqCst);
+    reload_to(
+        &sc,
+        &primary_and_backup(&primary.base_url(), &backup.base_url(), &spec("11s")),
+    )
+    .await;
+    for _ in 0..5 {
+        let r = chat(&sc, false).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-tailwarden-provider"), "backup");
+    }
+    assert_eq!(primary.count(), 3, "no request reached the open provider");
+    let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
+    assert!(
+        metrics
+            .contains("tailwarden_circuit_breaker_state{provider=\"primary\",route=\"t/test\"} 2"),
+        "{metrics}"
+    );
+}
+
+/// A provider cooling down after a 429 `Retry-After` stays out of rotation until the
+/// cool-down ends, whatever else changed in the route file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_cooldown_survives_an_unrelated_reload() {
+    let primary = upstream(|n, _| {
+        if n == 0 {
+            Script::Respond {
+                delay: Duration::ZERO,
+                status: 429,
+                headers: vec![("retry-after", "30".into())],
+                body: "{}".into(),
+            }
+        } else {
+            ok("primary")
+        }
+    })
+    .await;
+    let backup = upstream(|_, _| ok("backup")).await;
+    let spec = |total: &str| {
+        format!("  retries: {{backoff: {{base: 1ms, max: 2ms}}}}\n  timeouts: {{total: {total}}}\n")
+    };
+    let sc = sidecar(&primary_and_backup(
+        &primary.base_url(),
+        &backup.base_url(),
+        &spec("60s"),
+    ))
+    .await;
+    let r = chat(&sc, false).await;
+    assert_eq!(r.header("x-tailwarden-provider"), "backup");
+    assert_eq!(primary.count(), 1);
+    reload_to(
+        &sc,
+        &primary_and_backup(&primary.base_url(), &backup.base_url(), &spec("61s")),
+    )
+    .await;
+    for _ in 0..5 {
+        let r = chat(&sc, false).await;
+        assert_eq!(r.header("x-tailwarden-provider"), "backup");
+    }
+    assert_eq!(primary.count(), 1, "the cooling provider got no request");
+}
+
+/// The hedge delay `auto` learns from a provider's time to first token is kept across a
+/// reload: after it, a stalled first attempt is hedged at the learned ~30 ms, not at the
+/// 1 s a provider without samples gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learned_hedge_delay_survives_an_unrelated_reload() {
+    let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = stall.clone();
+    let primary = upstream(move |_, _| {
+        if s.load(Ordering::SeqCst) {
+            Script::Stall
+        } else {
+            Script::Respond {
+                delay: Duration::from_millis(30),
+                status: 200,
+                headers: vec![("content-type", "application/json".into())],
+                body: completion("m", "primary"),
+            }
+        }
+    })
+    .await;
+    let backup = upstream(|_, _| ok("backup")).await;
+    let spec = |first_byte: &str| {
+        format!(
+            "  hedging: {{enabled: true, delay: auto, maxPercent: 100}}\n  timeouts: {{firstByte: {first_byte}}}\n"
+        )
+    };
+    let sc = sidecar(&primary_and_backup(
+        &primary.base_url(),
+        &backup.base_url(),
+        &spec("10s"),
+    ))
+    .await;
+    // Enough answers for the TTFT quantiles (20 samples at least).
+    for _ in 0..40 {
+        assert_eq!(chat(&sc, false).await.status, 200);
+    }
+    reload_to(
+        &sc,
+        &primary_and_backup(&primary.base_url(), &backup.base_url(), &spec("11s")),
+    )
+    .await;
+    stall.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    let r = chat(&sc, false).await;
+    let took = started.elapsed();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-tailwarden-provider"), "backup");
+    assert!(
+        took < Duration::from_millis(500),
+        "hedged after the learned delay, not the 1 s default: {took:?}"
+    );
+}
+
+/// A provider whose baseUrl changed is another service: it starts with fresh state (a
+/// closed breaker), and traffic reaches it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_base_url_starts_with_fresh_state() {
+    let broken = upstream(|_, _| status(500)).await;
+    let replacement = upstream(|_, _| ok("replacement")).await;
+    let backup = upstream(|_, _| ok("backup")).await;
+    let spec = "  retries: {backoff: {base: 1ms, max: 2ms}, budgetPercent: 100}\n  circuitBreaker: {consecutiveFailures: 3, openFor: 60s}\n";
+    let sc = sidecar(&primary_and_backup(
+        &broken.base_url(),
+        &backup.base_url(),
+        spec,
+    ))
+    .await;
+    for _ in 0..5 {
+        assert_eq!(chat(&sc, false).await.status, 200);
+    }
+    assert_eq!(broken.count(), 3, "the breaker opened");
+    reload_to(
+        &sc,
+        &primary_and_backup(&replacement.base_url(), &backup.base_url(), spec),
+    )
+    .await;
+    let r = chat(&sc, false).await;
+    assert_eq!(r.header("x-tailwarden-provider"), "primary");
+    assert_eq!(replacement.count(), 1);
+    let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
+    assert!(
+        metrics
+            .contains("tailwarden_circuit_breaker_state{provider=\"primary\",route=\"t/test\"} 0"),
+        "{metrics}"
+    );
+}

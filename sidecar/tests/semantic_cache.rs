@@ -21,9 +21,9 @@ use bytes::Bytes;
 use common::{Script, TempDir, ok, post, route, sidecar, upstream};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
+use tailwarden_decide::request::RequestBody;
 use tailwarden_sidecar::{
     cache::Entry,
-    request::RequestBody,
     routes::{Registries, Route, RouteTable},
     semantic::{
         Embedding, GuardRefusal, Lookup, SemanticCache, SemanticCaches, SemanticError,

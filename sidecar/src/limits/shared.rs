@@ -29,7 +29,8 @@ use std::{
 use tailwarden_crds::FailMode;
 use tokio::time::Instant;
 
-use super::bucket::Bucket;
+use tailwarden_decide::bucket::Bucket;
+
 use crate::redis_backend::{BucketSpec, RedisBackend};
 
 /// Share of a period's amount a replica leases at most at once. At 1/20, two replicas
@@ -98,7 +99,7 @@ impl SharedBucket {
             backend,
             fail_mode,
             lease_target: (amount / LEASE_FRACTION).max(1),
-            fallback: Bucket::new(amount, period, now),
+            fallback: Bucket::new(amount, period, now.into_std()),
             lease: Mutex::new(Lease {
                 pool: 0,
                 empty_until: None,
@@ -174,7 +175,7 @@ impl SharedBucket {
         match self.fail_mode {
             FailMode::Open => self
                 .fallback
-                .try_take(n, now)
+                .try_take(n, now.into_std())
                 .map(|()| Source::Fallback)
                 .map_err(TakeError::Empty),
             FailMode::Closed => Err(TakeError::BackendDown),
@@ -252,7 +253,7 @@ impl SharedBucket {
     /// Settlement: `n` tokens more than reserved were used.
     pub fn charge(&self, n: u64, source: Source, now: Instant) {
         match source {
-            Source::Fallback => self.fallback.charge(n, now),
+            Source::Fallback => self.fallback.charge(n, now.into_std()),
             Source::Lease => {
                 let mut lease = self.lock();
                 lease.pool = lease

@@ -170,18 +170,33 @@ impl Stats {
     }
 }
 
-#[derive(Debug)]
-struct Endpoint {
-    spec: EndpointSpec,
+/// What the balancer learns about one endpoint: its in-flight count, peak-EWMA TTFT,
+/// cool-down and SLO breach estimates. Kept apart from the [`Balancer`] (which is built from
+/// the route's config) so that it can outlive a config reload: a new balancer for the same
+/// provider takes the same state ([`Balancer::with_state`]).
+#[derive(Debug, Default)]
+pub struct EndpointState {
     in_flight: Arc<AtomicU32>,
     stats: Mutex<Stats>,
 }
 
-impl Endpoint {
+impl EndpointState {
     fn stats(&self) -> MutexGuard<'_, Stats> {
         // A panic while holding this lock cannot leave the plain numbers inconsistent in a
         // harmful way; keep balancing rather than propagate the poison.
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    spec: EndpointSpec,
+    state: Arc<EndpointState>,
+}
+
+impl Endpoint {
+    fn stats(&self) -> MutexGuard<'_, Stats> {
+        self.state.stats()
     }
 }
 
@@ -209,18 +224,33 @@ pub struct Balancer {
 }
 
 impl Balancer {
-    /// Build a balancer. Indices used by every other method are positions in `endpoints`.
+    /// Build a balancer with fresh endpoint state. Indices used by every other method are
+    /// positions in `endpoints`.
     pub fn new(endpoints: Vec<EndpointSpec>, settings: BalanceSettings) -> Self {
+        Self::with_state(
+            endpoints
+                .into_iter()
+                .map(|spec| (spec, Arc::new(EndpointState::default())))
+                .collect(),
+            settings,
+        )
+    }
+
+    /// Build a balancer over endpoints whose state already exists (kept across reloads).
+    pub fn with_state(
+        endpoints: Vec<(EndpointSpec, Arc<EndpointState>)>,
+        settings: BalanceSettings,
+    ) -> Self {
         let mut settings = settings;
         if !(settings.tie_ratio.is_finite() && settings.tie_ratio >= 1.0) {
             settings.tie_ratio = 1.0;
         }
         let mut order: Vec<usize> = (0..endpoints.len()).collect();
-        order.sort_by_key(|&i| endpoints.get(i).map_or(u32::MAX, |e| e.priority));
+        order.sort_by_key(|&i| endpoints.get(i).map_or(u32::MAX, |e| e.0.priority));
         let mut tiers: Vec<Vec<usize>> = Vec::new();
         let mut last_priority = None;
         for i in order {
-            let p = endpoints.get(i).map(|e| e.priority);
+            let p = endpoints.get(i).map(|e| e.0.priority);
             match tiers.last_mut() {
                 Some(tier) if p == last_priority => tier.push(i),
                 _ => tiers.push(vec![i]),
@@ -229,11 +259,7 @@ impl Balancer {
         }
         let endpoints = endpoints
             .into_iter()
-            .map(|spec| Endpoint {
-                spec,
-                in_flight: Arc::new(AtomicU32::new(0)),
-                stats: Mutex::new(Stats::default()),
-            })
+            .map(|(spec, state)| Endpoint { spec, state })
             .collect();
         Self {
             settings,
@@ -357,9 +383,9 @@ impl Balancer {
     /// counting as load once it streams — long streams would otherwise look like queueing.
     pub fn start(&self, idx: usize) -> Option<InFlightGuard> {
         let e = self.endpoints.get(idx)?;
-        e.in_flight.fetch_add(1, Ordering::AcqRel);
+        e.state.in_flight.fetch_add(1, Ordering::AcqRel);
         Some(InFlightGuard {
-            counter: Arc::clone(&e.in_flight),
+            counter: Arc::clone(&e.state.in_flight),
         })
     }
 
@@ -367,7 +393,7 @@ impl Balancer {
     pub fn in_flight(&self, idx: usize) -> u32 {
         self.endpoints
             .get(idx)
-            .map_or(0, |e| e.in_flight.load(Ordering::Acquire))
+            .map_or(0, |e| e.state.in_flight.load(Ordering::Acquire))
     }
 
     /// Take `idx` out of rotation until `until` (e.g. from a 429's `Retry-After`). A later
@@ -403,7 +429,7 @@ impl Balancer {
         let Some(e) = self.endpoints.get(idx) else {
             return f64::INFINITY;
         };
-        let in_flight = f64::from(e.in_flight.load(Ordering::Acquire));
+        let in_flight = f64::from(e.state.in_flight.load(Ordering::Acquire));
         let (ewma, penalty) = {
             let st = e.stats();
             (
@@ -716,5 +742,32 @@ mod tests {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Balancer>();
         assert_send_sync::<InFlightGuard>();
+    }
+
+    #[test]
+    fn endpoint_state_outlives_the_balancer_built_from_one_config() {
+        let now = Instant::now();
+        let a = Arc::new(EndpointState::default());
+        let b = Arc::new(EndpointState::default());
+        let first = Balancer::with_state(
+            vec![(ep("a", 50, 0), a.clone()), (ep("b", 50, 0), b.clone())],
+            BalanceSettings::default(),
+        );
+        first.record_ttft(0, now, 400 * MS);
+        first.cool_down(1, now + Duration::from_secs(30));
+        let guard = first.start(0);
+        // A reload builds a new balancer, with other weights, over the same state.
+        let second = Balancer::with_state(
+            vec![(ep("a", 10, 0), a), (ep("b", 90, 0), b)],
+            BalanceSettings::default(),
+        );
+        assert_eq!(second.ewma_ttft(0, now), Some(400 * MS));
+        assert_eq!(second.cooling_until(1), Some(now + Duration::from_secs(30)));
+        assert_eq!(second.in_flight(0), 1);
+        drop(guard);
+        assert_eq!(second.in_flight(0), 0);
+        // Fresh state for a new endpoint.
+        let third = Balancer::new(vec![ep("a", 1, 0)], BalanceSettings::default());
+        assert_eq!(third.cooling_until(0), None);
     }
 }

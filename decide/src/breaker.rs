@@ -180,6 +180,17 @@ struct Bucket {
     slow: u32,
 }
 
+fn clamped(mut settings: BreakerSettings) -> BreakerSettings {
+    settings.half_open_probes = settings.half_open_probes.max(1);
+    settings.failure_rate_percent = settings.failure_rate_percent.min(100);
+    settings.max_open_for = settings.max_open_for.max(settings.open_for);
+    settings
+}
+
+fn bucket_width(settings: &BreakerSettings) -> Duration {
+    (settings.window / BUCKETS as u32).max(Duration::from_millis(1))
+}
+
 /// Per-provider circuit breaker. See the module docs.
 #[derive(Debug)]
 pub struct CircuitBreaker {
@@ -207,11 +218,8 @@ impl CircuitBreaker {
     /// A closed breaker. Out-of-range settings are clamped (probes ≥ 1, rate ≤ 100,
     /// `max_open_for` ≥ `open_for`). `now` anchors the rolling window.
     pub fn new(settings: BreakerSettings, now: Instant) -> Self {
-        let mut settings = settings;
-        settings.half_open_probes = settings.half_open_probes.max(1);
-        settings.failure_rate_percent = settings.failure_rate_percent.min(100);
-        settings.max_open_for = settings.max_open_for.max(settings.open_for);
-        let bucket_width = (settings.window / BUCKETS as u32).max(Duration::from_millis(1));
+        let settings = clamped(settings);
+        let bucket_width = bucket_width(&settings);
         Self {
             settings,
             state: State::Closed,
@@ -227,6 +235,23 @@ impl CircuitBreaker {
             probe_successes: 0,
             last_probe_at: now,
         }
+    }
+
+    /// New settings for a breaker that keeps its state (a config reload that edited the
+    /// route's `circuitBreaker`): an open circuit stays open until its open period ends,
+    /// a half-open one keeps its probes, and the new thresholds judge what comes next. A
+    /// changed `window` restarts the rolling window (its buckets had the old width).
+    pub fn reconfigure(&mut self, settings: BreakerSettings, now: Instant) {
+        let settings = clamped(settings);
+        if settings == self.settings {
+            return;
+        }
+        if settings.window != self.settings.window {
+            self.bucket_width = bucket_width(&settings);
+            self.origin = now;
+            self.buckets = [Bucket::default(); BUCKETS];
+        }
+        self.settings = settings;
     }
 
     /// The settings in force (after clamping).
@@ -853,5 +878,53 @@ mod tests {
         assert_eq!(b.settings().max_open_for, 30 * S);
         assert_eq!(State::HalfOpen.as_str(), "half_open");
         assert_eq!(Reason::ProbeFailed.as_str(), "probe_failed");
+    }
+
+    #[test]
+    fn reconfigure_keeps_an_open_circuit_and_judges_what_follows_by_the_new_rules() {
+        let t0 = Instant::now();
+        let mut b = tripped(t0);
+        let stricter = BreakerSettings {
+            consecutive_failures: 2,
+            ..settings()
+        };
+        b.reconfigure(stricter.clone(), t0 + S);
+        assert_eq!(b.state(), State::Open, "still open after the reload");
+        assert!(!b.is_available(t0 + S));
+        assert_eq!(b.settings(), &stricter);
+        // The same settings again change nothing.
+        b.reconfigure(stricter.clone(), t0 + 2 * S);
+        assert_eq!(b.state(), State::Open);
+
+        // A closed breaker keeps its streak; the new threshold applies to it.
+        let mut c = CircuitBreaker::new(settings(), t0);
+        assert_eq!(fail(&mut c, t0), None);
+        c.reconfigure(stricter, t0);
+        assert_eq!(
+            fail(&mut c, t0),
+            tr(State::Closed, State::Open, Reason::ConsecutiveFailures)
+        );
+
+        // A new window restarts the rolling window: old results no longer count.
+        let mut d = CircuitBreaker::new(settings(), t0);
+        for _ in 0..4 {
+            assert_eq!(fail(&mut d, t0), None);
+            assert_eq!(succeed(&mut d, t0), None);
+        }
+        d.reconfigure(
+            BreakerSettings {
+                window: 20 * S,
+                consecutive_failures: 0,
+                ..settings()
+            },
+            t0,
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                fail(&mut d, t0),
+                None,
+                "the window holds fewer than minRequests"
+            );
+        }
     }
 }

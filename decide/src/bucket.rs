@@ -12,14 +12,13 @@
 //! are one subtraction or addition on the TAT here. Governor's keyed store is also unbounded
 //! (no eviction of idle keys), which the tenant table needs.
 //!
-//! Time is passed in (`tokio::time::Instant`), so tests drive it with paused time.
+//! Time is passed in (`std::time::Instant`; the sidecar passes tokio's clock converted with
+//! `into_std`, so its tests drive the bucket with paused time).
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+    time::{Duration, Instant},
 };
-
-use tokio::time::Instant;
 
 /// A GCRA token bucket.
 #[derive(Debug)]

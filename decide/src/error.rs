@@ -1,15 +1,14 @@
-//! Errors the sidecar returns to clients, in OpenAI's JSON error shape, and the crate's
-//! internal error type.
+//! Errors the sidecar returns to clients, in OpenAI's JSON error shape, as plain data.
 //!
 //! Clients use OpenAI SDKs, which turn `{"error": {"message", "type", "param", "code"}}` plus
 //! the HTTP status into typed exceptions (`BadRequestError`, `NotFoundError`,
-//! `RateLimitError`, …), so every error the sidecar itself produces takes that shape.
+//! `RateLimitError`, …), so every error the sidecar itself produces takes that shape. An
+//! [`ApiError`] is only the status, the fields and the `Retry-After` hint; the sidecar's
+//! response layer turns it into an HTTP response at the edge.
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::StatusCode;
 use serde::Serialize;
-
-use crate::body::ProxyBody;
 
 /// An error response produced by the sidecar (not passed through from a provider).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,40 +152,4 @@ impl ApiError {
             .map(Bytes::from)
             .unwrap_or_else(|_| Bytes::from_static(b"{\"error\":{\"message\":\"internal error\",\"type\":\"server_error\",\"param\":null,\"code\":null}}"))
     }
-
-    /// The full HTTP response.
-    pub fn into_response(self) -> Response<ProxyBody> {
-        let mut response = Response::new(ProxyBody::full(self.body_json()));
-        *response.status_mut() = self.status;
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Some(secs) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        response
-    }
-}
-
-/// Errors of the sidecar's own machinery (not of a request).
-#[derive(Debug, thiserror::Error)]
-pub enum SidecarError {
-    #[error("cannot bind {addr}: {source}")]
-    Bind {
-        addr: std::net::SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Config(#[from] tailwarden_crds::LoadError),
-    #[error("route {route}: provider {provider}: {message}")]
-    Provider {
-        route: String,
-        provider: String,
-        message: String,
-    },
-    #[error("metrics: {0}")]
-    Metrics(#[from] prometheus::Error),
 }

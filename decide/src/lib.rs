@@ -1,0 +1,41 @@
+//! tailwarden-decide: every decision of the sidecar's request path as pure code.
+//!
+//! Nothing in this crate does I/O, reads a clock or owns a runtime: time comes in as
+//! `std::time::Instant` arguments, randomness as fractions or an `Rng` the caller passes, and
+//! every answer is a value. The sidecar (`tailwarden-sidecar`) is the I/O around it. That
+//! "pure" is a fact the compiler checks: this crate depends on no HTTP client or server, no
+//! async runtime, no Redis client and no metrics library (`tests/purity.rs`).
+//!
+//! In the order a request meets them:
+//!
+//! | module | decides |
+//! |---|---|
+//! | [`request`] | what the client's JSON body says (top level only) and how to rewrite it |
+//! | [`error`] | the OpenAI-shaped error a refused request gets (plain data) |
+//! | [`tiers`] | which content tier (and so which model) a request falls in |
+//! | [`cache_key`] | the exact cache's key and the client's cache directives |
+//! | [`semantic`] | what the semantic cache compares, and the guards against a flipped answer |
+//! | [`bucket`] | token buckets (GCRA) of the admission limits |
+//! | [`capabilities`] | which parameters a provider takes, drops or refuses |
+//! | [`schedule`] | the attempt scheduler: when to start, retry, hedge, wait or give up |
+//! | [`balance`] | which provider an attempt goes to (tiers, weights, P2C over peak-EWMA) |
+//! | [`breaker`] | whether a provider is in rotation (Closed → Open → HalfOpen) |
+//! | [`retry`] | which failures are retried, backoff, `Retry-After`, retry budgets |
+//! | [`hedge`] | the hedge delay, its budget, and the TTFT quantiles it learns from |
+//! | [`sse`] | what a stream says as it passes (TTFT, usage, errors, `[DONE]`) |
+//! | [`usage`] | tokens and cost of a response |
+
+pub mod balance;
+pub mod breaker;
+pub mod bucket;
+pub mod cache_key;
+pub mod capabilities;
+pub mod error;
+pub mod hedge;
+pub mod request;
+pub mod retry;
+pub mod schedule;
+pub mod semantic;
+pub mod sse;
+pub mod tiers;
+pub mod usage;
