@@ -16,6 +16,54 @@ use serde_json::value::RawValue;
 
 use crate::error::ApiError;
 
+/// The OpenAI endpoints the request path serves. Everything that differs between them is
+/// decided here, so a new endpoint is a new variant, not an edit in every stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// The endpoint of a client path (`/v1/chat/completions`), if the path is one.
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::ChatCompletions),
+            "/v1/completions" => Some(Self::Completions),
+            "/v1/embeddings" => Some(Self::Embeddings),
+            _ => None,
+        }
+    }
+
+    /// The path after a provider's base URL (`/chat/completions`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::ChatCompletions => "/chat/completions",
+            Self::Completions => "/completions",
+            Self::Embeddings => "/embeddings",
+        }
+    }
+
+    /// The OpenTelemetry GenAI operation (`gen_ai.operation.name`).
+    pub fn operation(self) -> &'static str {
+        match self {
+            Self::ChatCompletions => "chat",
+            Self::Completions => "text_completion",
+            Self::Embeddings => "embeddings",
+        }
+    }
+
+    /// Whether a request's `stream: true` makes the response an event stream (embeddings
+    /// never stream).
+    pub fn streams(self, body: &RequestBody<'_>) -> bool {
+        body.stream && self != Self::Embeddings
+    }
+}
+
 /// A parsed request body: its top-level members in order, plus the fields routing needs.
 #[derive(Debug)]
 pub struct RequestBody<'a> {

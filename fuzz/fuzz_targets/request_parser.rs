@@ -27,8 +27,8 @@ use tailwarden_decide::{
     request::RequestBody,
     tiers::TierSet,
 };
-use tailwarden_sidecar::{
-    cache::{CacheSettings, ExactCache},
+use tailwarden_sidecar::state::{
+    exact::{CacheSettings, ExactCache},
     limits::estimate_tokens,
 };
 

@@ -5,12 +5,10 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, sync::atomic::Ordering, tim
 use anyhow::Context;
 use clap::Parser;
 use tailwarden_sidecar::{
-    admin,
-    metrics::Metrics,
-    proxy::App,
-    reload,
-    routes::{Registries, RouteTable},
-    server, telemetry,
+    app::{App, reload},
+    config::{Registries, RouteTable},
+    record::{metrics::Metrics, telemetry},
+    server::{self, admin},
 };
 use tokio::sync::watch;
 

@@ -11,7 +11,7 @@ use http_body_util::BodyExt;
 use serde_json::json;
 use tailwarden_crds::CacheScope;
 use tailwarden_decide::{cache_key::canonical_json, request::RequestBody};
-use tailwarden_sidecar::cache::{CacheKey, CacheSettings, ExactCache, NotCacheable};
+use tailwarden_sidecar::state::exact::{CacheKey, CacheSettings, ExactCache, NotCacheable};
 use tokio::time::advance;
 
 fn settings() -> CacheSettings {
@@ -499,7 +499,7 @@ fn errors_and_truncated_or_failed_streams_are_never_stored() {
 
 #[test]
 fn caches_survive_reloads_when_unchanged() {
-    use tailwarden_sidecar::cache::Caches;
+    use tailwarden_sidecar::state::exact::Caches;
     let caches = Caches::default();
     let mut spec: tailwarden_crds::ExactCache =
         serde_json::from_value(json!({"enabled": true})).unwrap();

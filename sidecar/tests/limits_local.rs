@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::json;
 use tailwarden_crds::RateLimit;
 use tailwarden_decide::request::RequestBody;
-use tailwarden_sidecar::limits::{
+use tailwarden_sidecar::state::limits::{
     AdmissionGuard, LimitKind, LimiterOptions, Limiters, Rejection, RouteLimiter, Scope, admit,
     estimate_tokens, retry_after_secs,
 };

@@ -20,9 +20,9 @@ use std::{
 use common::redis::RedisServer;
 use serde_json::json;
 use tailwarden_crds::RateLimit;
-use tailwarden_sidecar::{
+use tailwarden_sidecar::state::{
     limits::{LimitKind, LimiterOptions, Rejection, RouteLimiter, admit},
-    redis_backend::{BackendSettings, RedisBackend},
+    redis::{BackendSettings, RedisBackend},
 };
 use tokio::time::Instant;
 

@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 const MS: fn(u64) -> Duration = Duration::from_millis;
 
 fn scrape(sc: &Sidecar) -> String {
-    sc.app.metrics.sample(&sc.app.table.load());
+    tailwarden_sidecar::config::series::sample(&sc.app.metrics, &sc.app.table.load());
     String::from_utf8(sc.app.metrics.render()).unwrap()
 }
 

@@ -15,8 +15,8 @@ use http::{HeaderMap, HeaderValue};
 use serde_json::json;
 use tailwarden_crds::{CacheScope, RateLimit, Tier};
 use tailwarden_decide::{request::RequestBody, tiers::TierSet};
-use tailwarden_sidecar::{
-    cache::{CacheSettings, ExactCache},
+use tailwarden_sidecar::state::{
+    exact::{CacheSettings, ExactCache},
     limits::{LimiterOptions, RouteLimiter, admit, estimate_tokens},
 };
 

@@ -90,7 +90,7 @@ async fn identical_deterministic_request_is_served_from_the_cache() {
     let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
     assert!(metrics.contains(r#"tailwarden_cache_requests_total{result="hit",route="t/test"} 1"#));
     assert!(metrics.contains(r#"tailwarden_cache_requests_total{result="miss",route="t/test"} 1"#));
-    sc.app.metrics.sample(&sc.app.table.load());
+    tailwarden_sidecar::config::series::sample(&sc.app.metrics, &sc.app.table.load());
     let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
     assert!(metrics.contains(r#"tailwarden_cache_entries{route="t/test"} 1"#));
 }

@@ -172,8 +172,8 @@ spec:
 "#,
     )
     .unwrap();
-    let registries = tailwarden_sidecar::routes::Registries::default();
-    let err = match tailwarden_sidecar::reload::load(&registries, &path) {
+    let registries = tailwarden_sidecar::config::Registries::default();
+    let err = match tailwarden_sidecar::app::reload::load(&registries, &path) {
         Ok(_) => panic!("an invalid regex must not load"),
         Err(e) => e,
     };

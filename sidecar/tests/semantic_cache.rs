@@ -23,11 +23,14 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
 use tailwarden_decide::request::RequestBody;
 use tailwarden_sidecar::{
-    cache::Entry,
-    routes::{Registries, Route, RouteTable},
-    semantic::{
-        Embedding, GuardRefusal, Lookup, SemanticCache, SemanticCaches, SemanticError,
-        SemanticSettings, cosine, embed,
+    attempts::embed::{SemanticError, embed},
+    config::{Registries, Route, RouteTable},
+    state::{
+        exact::Entry,
+        semantic::{
+            Embedding, GuardRefusal, Lookup, SemanticCache, SemanticCaches, SemanticSettings,
+            cosine,
+        },
     },
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -119,13 +122,17 @@ async fn ask(
     cache: &Arc<SemanticCache>,
     route: &Route,
     question: &str,
-) -> (tailwarden_sidecar::semantic::Query, Embedding, Lookup) {
+) -> (
+    tailwarden_sidecar::state::semantic::Query,
+    Embedding,
+    Lookup,
+) {
     let body = chat(question);
     let parsed = RequestBody::parse(body.as_bytes()).unwrap();
     let query = cache
         .query(&parsed, "/chat/completions", "gpt-4.1", &HeaderMap::new())
         .unwrap();
-    let upstream = cache.upstream_in(route).unwrap();
+    let upstream = route.provider(&cache.settings().provider).unwrap();
     let settings = cache.settings();
     let vector = embed(upstream, &settings.model, &query.text, settings.timeout)
         .await
@@ -343,9 +350,14 @@ async fn a_stalled_provider_times_out_at_the_configured_timeout() {
     let timeout = cache.settings().timeout;
     assert_eq!(timeout, Duration::from_millis(200));
     let start = Instant::now();
-    let e = embed(cache.upstream_in(&f.route).unwrap(), "e", "hi", timeout)
-        .await
-        .unwrap_err();
+    let e = embed(
+        f.route.provider(&cache.settings().provider).unwrap(),
+        "e",
+        "hi",
+        timeout,
+    )
+    .await
+    .unwrap_err();
     let took = start.elapsed();
     assert!(matches!(e, SemanticError::Timeout { .. }), "{e}");
     assert_eq!(

@@ -33,7 +33,7 @@ use opentelemetry_proto::tonic::{
 };
 use prost::Message as _;
 use serde_json::{Value, json};
-use tailwarden_sidecar::telemetry::{self, Telemetry};
+use tailwarden_sidecar::record::telemetry::{self, Telemetry};
 use tracing_subscriber::layer::SubscriberExt as _;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;

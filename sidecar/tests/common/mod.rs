@@ -21,10 +21,9 @@ use hyper_util::{
     server::conn::auto,
 };
 use tailwarden_sidecar::{
-    metrics::Metrics,
-    proxy::App,
-    reload,
-    routes::{Registries, RouteTable},
+    app::{App, reload},
+    config::{Registries, RouteTable},
+    record::metrics::Metrics,
     server,
 };
 use tokio::net::TcpListener;

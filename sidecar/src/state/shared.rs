@@ -20,9 +20,9 @@ use std::{sync::Arc, time::Duration};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
 
-use crate::{
-    cache::{CacheKey, Entry, SHARED_LOOKUP_TIMEOUT},
-    redis_backend::RedisBackend,
+use super::{
+    exact::{CacheKey, Entry, SHARED_LOOKUP_TIMEOUT},
+    redis::RedisBackend,
 };
 
 const MAGIC: &[u8; 4] = b"TWC1";

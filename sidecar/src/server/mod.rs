@@ -24,6 +24,8 @@
 //!
 //! Request bodies are bounded by the proxy (`limits.maxBodyBytes`, and a 30 s body timeout).
 
+pub mod admin;
+
 use std::{
     convert::Infallible,
     future::Future,
@@ -50,7 +52,7 @@ use tokio::{
     sync::{Notify, Semaphore, watch},
 };
 
-use crate::proxy::{App, handle};
+use crate::{app::App, ingress::handle};
 
 /// Longest time a client may take to send request headers (slowloris protection). A new
 /// connection gets this long for its first bytes too (see [`sniff`]).

@@ -6,6 +6,7 @@
 //! What the sidecar learned at run time (breakers, cool-downs, EWMA, TTFT quantiles, budgets,
 //! pools, limiters, caches) is not part of it: each compiled route and provider points at
 //! its entry in the [`Registries`] ([`crate::state`]), which outlive every config.
+//! [`series`] sets the metric series that exist per configured route and provider.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -28,12 +29,18 @@ use tailwarden_decide::{
 };
 
 use crate::{
-    cache::{Caches, ExactCache},
-    limits::{LimitConfigError, Limiters, RouteLimiter},
-    metrics::Metrics,
-    state::{BUDGET_WINDOW, BudgetKey, ProviderKey, ProviderState, Registry, RouteState},
-    upstream::{Pool, PoolCache},
+    record::metrics::Metrics,
+    state::{
+        BUDGET_WINDOW, BudgetKey, ProviderKey, ProviderState, Registry, RouteState,
+        exact::{Caches, ExactCache},
+        limits::{LimitConfigError, Limiters, RouteLimiter},
+        pool::{Pool, PoolCache},
+        redis::BackendError,
+        semantic::{SemanticCache, SemanticCaches},
+    },
 };
+
+pub mod series;
 
 /// Where a provider's key comes from at run time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,7 +200,7 @@ pub struct Route {
     /// The exact cache (`cache.exact`), kept across reloads while unchanged.
     pub cache: Option<Arc<ExactCache>>,
     /// The semantic cache (`cache.semantic`), kept across reloads while unchanged.
-    pub semantic: Option<Arc<crate::semantic::SemanticCache>>,
+    pub semantic: Option<Arc<SemanticCache>>,
     /// Whether any provider has capability rules (skips the per-request check otherwise).
     pub has_capabilities: bool,
 }
@@ -206,7 +213,7 @@ pub struct Registries {
     pub pools: PoolCache,
     pub limiters: Limiters,
     pub caches: Caches,
-    pub semantic: crate::semantic::SemanticCaches,
+    pub semantic: SemanticCaches,
     /// Breakers, cool-downs, EWMA, TTFT quantiles and keys, per route and provider.
     pub providers: Registry<ProviderKey, (), Arc<ProviderState>>,
     /// Retry and hedge budgets, per route.
@@ -220,10 +227,17 @@ impl Registries {
             pools: PoolCache::default(),
             limiters: Limiters::new(Some(metrics.limit_backend_errors.clone())),
             caches: Caches::new(Some(metrics.cache_backend_errors.clone())),
-            semantic: crate::semantic::SemanticCaches::default(),
+            semantic: SemanticCaches::default(),
             providers: Registry::default(),
             routes: Registry::default(),
         }
+    }
+}
+
+impl Route {
+    /// The route's provider of this name (the semantic cache's embeddings provider).
+    pub fn provider(&self, name: &str) -> Option<&Arc<Upstream>> {
+        self.upstreams.iter().find(|u| *u.name == *name)
     }
 }
 
@@ -275,7 +289,7 @@ pub enum CompileError {
     CacheBackend {
         route: String,
         #[source]
-        source: crate::redis_backend::BackendError,
+        source: BackendError,
     },
 }
 

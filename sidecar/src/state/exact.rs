@@ -8,8 +8,8 @@
 //! the route sets `deterministicOnly: false` or the client sends `x-tailwarden-cache: force`.
 //! `x-tailwarden-cache: bypass` or `Cache-Control: no-cache` skips the lookup (the fresh
 //! answer still refreshes the entry); `Cache-Control: no-store` skips both. Only complete 2xx
-//! responses are stored: the caller commits a [`CacheFill`] when the response ended cleanly,
-//! and a stream must also end with `data: [DONE]` and carry no error event.
+//! responses are stored: a [`Fill`] watching the response body commits when the response
+//! ended cleanly, and a stream must also end with `data: [DONE]` and carry no error event.
 //!
 //! **Store.** `quick_cache` (S3-FIFO: scan-resistant, hit rates on par with TinyLFU),
 //! weighted by bytes. Eviction happens inline on insert, so the byte bound holds at every
@@ -21,23 +21,19 @@
 //! when read and otherwise age out by eviction.
 //!
 //! **Streams** are stored as the exact chunks the client received and replayed as the same
-//! chunks by [`ReplayBody`], so a streamed hit is byte-for-byte the same SSE events.
+//! chunks by [`crate::relay::ReplayBody`], so a streamed hit is byte-for-byte the same SSE
+//! events.
 
 use std::{
-    collections::VecDeque,
-    convert::Infallible,
-    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    task::{Context, Poll},
     time::Duration,
 };
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode, header};
-use http_body::{Body, Frame, SizeHint};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter, sync::Cache};
 use tailwarden_crds::CacheScope;
 use tokio::time::Instant;
@@ -48,11 +44,13 @@ use tailwarden_decide::{
     semantic::tenant_of,
 };
 
-use crate::{
-    redis_backend::{BackendError, BackendSettings, RedisBackend},
-    shared_cache::SharedCache,
-    state::Registry,
+use super::{
+    Registry,
+    fill::{Fill, Sink},
+    redis::{BackendError, BackendSettings, RedisBackend},
+    shared::SharedCache,
 };
+use crate::relay::ReplayBody;
 
 pub use tailwarden_decide::cache_key::{CacheKey, Directive, NotCacheable};
 
@@ -60,7 +58,7 @@ pub use tailwarden_decide::cache_key::{CacheKey, Directive, NotCacheable};
 /// costs a provider call, so it is short; a healthy Redis answers in well under 1 ms.
 pub const SHARED_LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
 
-/// Largest single entry: bigger responses are not cached (`CacheFill` abandons them).
+/// Largest single entry: bigger responses are not cached (their [`Fill`] abandons them).
 pub const MAX_ENTRY_BYTES: usize = 8 << 20;
 
 /// A stored response.
@@ -106,7 +104,7 @@ impl Entry {
 
     /// A complete response recorded outside this cache (the semantic cache keeps its own
     /// index), or `None` when it must not be stored: by the same rules as
-    /// [`CacheFill::commit`], only 2xx responses, and streams ending cleanly with `[DONE]`.
+    /// [`Fill::commit`], only 2xx responses, and streams ending cleanly with `[DONE]`.
     pub fn complete(
         status: StatusCode,
         content_type: Option<HeaderValue>,
@@ -132,35 +130,7 @@ impl Entry {
 
     /// A body that yields the stored chunks one by one.
     pub fn replay(self: &Arc<Self>) -> ReplayBody {
-        ReplayBody {
-            chunks: self.chunks.iter().cloned().collect(),
-        }
-    }
-}
-
-/// The response body of a cache hit: the stored chunks, in order, as separate frames.
-#[derive(Debug)]
-pub struct ReplayBody {
-    chunks: VecDeque<Bytes>,
-}
-
-impl Body for ReplayBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.chunks.pop_front().map(|c| Ok(Frame::data(c))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
+        ReplayBody::new(self.chunks.iter().cloned().collect())
     }
 }
 
@@ -386,102 +356,35 @@ impl ExactCache {
         status: StatusCode,
         headers: &HeaderMap,
         stream: bool,
-    ) -> Option<CacheFill> {
-        if !status.is_success() {
-            return None;
-        }
-        Some(CacheFill {
-            cache: self.clone(),
-            digest: key.digest(),
+    ) -> Option<Fill> {
+        Fill::new(
             status,
-            content_type: headers.get(header::CONTENT_TYPE).cloned(),
+            headers,
             stream,
-            chunks: Vec::new(),
-            bytes: 0,
-            over: false,
-            done: false,
-        })
-    }
-}
-
-/// Records a response as it is relayed; stores it on [`commit`](Self::commit). Dropped
-/// without commit (an error, a truncated stream, a client that went away), it stores
-/// nothing.
-pub struct CacheFill {
-    cache: Arc<ExactCache>,
-    digest: [u8; 32],
-    status: StatusCode,
-    content_type: Option<HeaderValue>,
-    stream: bool,
-    chunks: Vec<Bytes>,
-    bytes: usize,
-    /// Grew past the largest entry: chunks dropped, nothing will be stored.
-    over: bool,
-    /// Committed (stored or refused): nothing left to count on drop.
-    done: bool,
-}
-
-impl std::fmt::Debug for CacheFill {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CacheFill({} bytes)", self.bytes)
-    }
-}
-
-impl CacheFill {
-    /// A chunk as sent to the client (cheap: `Bytes` is reference-counted).
-    pub fn push(&mut self, chunk: &Bytes) {
-        if self.over || chunk.is_empty() {
-            return;
-        }
-        self.bytes += chunk.len();
-        if self.bytes > self.cache.max_entry_bytes {
-            self.over = true;
-            self.chunks = Vec::new();
-            return;
-        }
-        self.chunks.push(chunk.clone());
+            Sink::Exact {
+                cache: self.clone(),
+                digest: key.digest(),
+            },
+        )
     }
 
-    /// Whether the response is still storable (not over the entry limit).
-    pub fn is_recording(&self) -> bool {
-        !self.over
+    /// Stores a complete response recorded by a [`Fill`] (here and, with `backend: redis`,
+    /// in the replicas' shared store).
+    pub(crate) fn put(&self, digest: [u8; 32], entry: Arc<Entry>) {
+        if let Some(shared) = &self.shared {
+            shared.put(
+                &CacheKey::from_digest(digest, true),
+                &entry,
+                self.settings.ttl,
+            );
+        }
+        self.store.insert(digest, entry);
+        self.stats.stores.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The response completed cleanly: store it. Returns whether it was stored — a stream
-    /// without its final `data: [DONE]` or with an error event never is.
-    pub fn commit(mut self) -> bool {
-        self.done = true;
-        let cache = &self.cache;
-        if self.over || (self.stream && !clean_sse(&self.chunks)) {
-            cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        let now = Instant::now();
-        let entry = Arc::new(Entry {
-            status: self.status,
-            content_type: self.content_type.take(),
-            chunks: std::mem::take(&mut self.chunks),
-            stream: self.stream,
-            stored_at: now,
-            expires_at: now + cache.settings.ttl,
-            bytes: self.bytes,
-        });
-        if let Some(shared) = &cache.shared {
-            let key = CacheKey::from_digest(self.digest, true);
-            shared.put(&key, &entry, cache.settings.ttl);
-        }
-        cache.store.insert(self.digest, entry);
-        cache.stats.stores.fetch_add(1, Ordering::Relaxed);
-        true
-    }
-}
-
-impl Drop for CacheFill {
-    fn drop(&mut self) {
-        // Dropped without commit: an error, a truncated stream, a client that went away.
-        if !self.done {
-            self.cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Counts a response recorded for this cache that was not stored.
+    pub(crate) fn abandoned(&self) {
+        self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 }
 

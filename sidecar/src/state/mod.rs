@@ -14,9 +14,23 @@
 //! | connection pools | origin, connect timeout, `maxConnections` | any of them changed |
 //! | rate limiters, exact and semantic caches | route | their settings changed |
 //!
+//! The stores themselves are here too: [`pool`] (connections, with [`dns`]), [`limits`]
+//! (admission: buckets, queues, tenants; shared through [`redis`]), [`exact`] and
+//! [`shared`] (the exact cache, local and across replicas), [`semantic`] (the semantic
+//! cache's entries) and [`fill`] (recording a response for them).
+//!
 //! An entry whose key is not in a newly compiled config is dropped (the provider or route
 //! is gone). A breaker whose settings changed keeps its state and takes the new thresholds
 //! ([`CircuitBreaker::reconfigure`]).
+
+pub mod dns;
+pub mod exact;
+pub mod fill;
+pub mod limits;
+pub mod pool;
+pub mod redis;
+pub mod semantic;
+pub mod shared;
 
 use std::{
     collections::HashMap,

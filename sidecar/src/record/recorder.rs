@@ -1,4 +1,5 @@
-//! Per-request accounting: metrics, tokens, cost and the one JSON log line per request.
+//! Per-request accounting: metrics, tokens, cost, the spans' outcome and the one JSON log
+//! line per request.
 //!
 //! A [`Recorder`] travels with the response body and records when it is dropped — after the
 //! last byte, on a failure, or when the client went away mid-stream — so every exit is
@@ -13,7 +14,11 @@ use tokio::time::Instant;
 
 use tailwarden_decide::{sse::SseEvent, usage::Price};
 
-use crate::{limits::AdmissionGuard, metrics::Metrics, telemetry};
+use super::{metrics::Metrics, telemetry};
+use crate::{
+    relay::{End, Observer},
+    state::limits::AdmissionGuard,
+};
 
 pub use tailwarden_decide::usage::Usage;
 
@@ -336,6 +341,25 @@ impl Drop for Recorder {
             &mut self.info.attempt_span,
             tracing::Span::none(),
         ));
+    }
+}
+
+/// The recorder watches the response body: TTFT, usage and the model from the stream's
+/// events, bytes for the estimate of a body without usage, and how the body ended.
+impl Observer for Recorder {
+    fn on_event(&mut self, event: &SseEvent) {
+        self.on_sse_event(event);
+    }
+
+    fn on_chunk(&mut self, chunk: &bytes::Bytes) {
+        self.add_body_bytes(chunk.len());
+    }
+
+    fn on_end(&mut self, end: End) {
+        match end {
+            End::Complete => self.finish_ok(),
+            End::Failed(code) => self.fail_mid_stream(code),
+        }
     }
 }
 

@@ -48,9 +48,9 @@ use tokio::{
 
 use tailwarden_decide::{bucket::Bucket, error::ApiError, request::RequestBody};
 
-use crate::{
-    redis_backend::{BackendError, BackendSettings, RedisBackend},
-    state::Registry,
+use super::{
+    Registry,
+    redis::{BackendError, BackendSettings, RedisBackend},
 };
 use shared::{SharedBucket, Source, TakeError};
 

@@ -11,8 +11,6 @@ use prometheus::{
 
 use tailwarden_decide::breaker::State;
 
-use crate::{accounting::SloTargets, routes::RouteTable};
-
 /// `tailwarden_circuit_breaker_state`: 0 closed, 1 half-open, 2 open.
 pub fn breaker_gauge(state: State) -> i64 {
     match state {
@@ -71,8 +69,9 @@ pub struct Metrics {
     pub semantic_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
     pub cache_bytes: IntGaugeVec,
-    /// Serialises the per-config series' reset-and-set against each other.
-    series_lock: std::sync::Mutex<()>,
+    /// Serialises the per-config series' reset-and-set against each other
+    /// ([`crate::config::series`]).
+    pub series_lock: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -321,72 +320,6 @@ impl Metrics {
         m.registry.register(Box::new(m.cache_entries.clone()))?;
         m.registry.register(Box::new(m.cache_bytes.clone()))?;
         Ok(m)
-    }
-
-    /// Series that exist per configured route and provider, set when a config is loaded: the
-    /// breaker state of every provider (as it is: breakers outlive reloads), the SLO
-    /// objectives and their outcome counters (at 0 until a request is judged), and the pool
-    /// gauges. Series of routes and providers no longer configured are removed.
-    pub fn on_config(&self, table: &RouteTable) {
-        let _guard = self.series_lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.breaker_state.reset();
-        self.slo_objective.reset();
-        for route in &table.routes {
-            let name: &str = &route.name;
-            for upstream in &route.upstreams {
-                self.breaker_state
-                    .with_label_values(&[name, &upstream.name])
-                    .set(breaker_gauge(upstream.breaker().state()));
-            }
-            let slo = SloTargets::of(&route.spec);
-            for (objective, target) in [
-                ("ttft", slo.ttft.map(|_| 0.99)),
-                ("latency", slo.latency.map(|_| 0.99)),
-                ("availability", slo.availability),
-            ] {
-                let Some(target) = target else { continue };
-                self.slo_objective
-                    .with_label_values(&[name, objective])
-                    .set(target);
-                for outcome in ["met", "missed"] {
-                    self.slo_requests
-                        .with_label_values(&[name, objective, outcome]);
-                }
-            }
-        }
-        drop(_guard);
-        self.sample(table);
-    }
-
-    /// Gauges read from live state, refreshed before each scrape: connection slots in use,
-    /// cache sizes.
-    pub fn sample(&self, table: &RouteTable) {
-        let _guard = self.series_lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.connections_in_use.reset();
-        self.connections_max.reset();
-        self.cache_entries.reset();
-        self.cache_bytes.reset();
-        for route in &table.routes {
-            if let Some(cache) = &route.cache {
-                let (entries, weight) = cache.usage();
-                self.cache_entries
-                    .with_label_values(&[&*route.name])
-                    .set(i64::try_from(entries).unwrap_or(i64::MAX));
-                self.cache_bytes
-                    .with_label_values(&[&*route.name])
-                    .set(i64::try_from(weight).unwrap_or(i64::MAX));
-            }
-            for upstream in &route.upstreams {
-                let pool = &upstream.pool;
-                let max = i64::from(pool.max_connections);
-                let free = i64::try_from(pool.limit.available_permits()).unwrap_or(max);
-                let labels = [&*route.name, &*upstream.name];
-                self.connections_max.with_label_values(&labels).set(max);
-                self.connections_in_use
-                    .with_label_values(&labels)
-                    .set((max - free).max(0));
-            }
-        }
     }
 
     /// The text exposition format.

@@ -16,7 +16,7 @@ use hyper_util::{
 };
 use tokio::net::TcpListener;
 
-use crate::proxy::App;
+use crate::{app::App, config::series};
 
 fn reply(
     status: StatusCode,
@@ -68,7 +68,7 @@ fn route(app: &App, req: &Request<Incoming>, exposure: Exposure) -> Response<Ful
             }
         }
         "/metrics" => {
-            app.metrics.sample(&app.table.load());
+            series::sample(&app.metrics, &app.table.load());
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

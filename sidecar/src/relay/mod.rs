@@ -1,16 +1,20 @@
-//! The response body the sidecar sends to clients.
+//! The response body the sidecar sends to clients, and the observers that watch it.
 //!
-//! Either a complete body (errors, buffered non-stream responses) or a relay of the upstream
-//! body: bytes go out as they arrive, never coalesced. The relay enforces the idle and total
-//! deadlines, scans SSE frames in passing (for time to first token and usage), strips the
+//! Either a complete body (errors, buffered non-stream responses, cache hits replayed chunk
+//! by chunk) or a relay of the upstream body: bytes go out as they arrive, never coalesced.
+//! The relay enforces the idle and total deadlines, scans SSE frames in passing, strips the
 //! usage chunk the sidecar asked for on the client's behalf, and turns a failure after the
 //! first byte into a clean SSE error event rather than a silent truncation. Dropping the body
 //! (the client went away) drops the upstream body at once, which cancels the upstream request.
-//! A relay may record what it sends for the exact cache, which stores it only when the
-//! response ended cleanly; a cache hit is replayed chunk by chunk.
+//!
+//! What the body carries is told to its [`Observer`]s as it passes — each SSE event, each
+//! chunk the client receives, and how the body ended — and they decide what to make of it:
+//! the recorder (metrics, usage, the log line), the provider's breaker verdict on a stream,
+//! and the cache fills. This module knows none of them.
 
 use std::{
     collections::VecDeque,
+    convert::Infallible,
     future::Future,
     pin::Pin,
     task::{Context, Poll},
@@ -21,19 +25,12 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::time::{Instant, Sleep};
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
-
-use crate::{
-    accounting::Recorder,
-    cache::{CacheFill, ReplayBody},
-    proxy::StreamVerdict,
-    semantic::SemanticFill,
-};
 use tailwarden_decide::{
     error::ApiError,
-    sse::{self, SseForwarder},
+    sse::{self, SseEvent, SseForwarder},
 };
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// Error type of the client-facing body: the stream is aborted (the client sees a broken
 /// connection, as it must when a non-SSE body cannot be completed).
@@ -45,10 +42,67 @@ pub enum BodyError {
     Deadline(&'static str),
 }
 
+/// How a response body ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// The upstream body ended cleanly and every byte went out.
+    Complete,
+    /// The relay ended it early, with this error code (`idle_timeout`,
+    /// `upstream_stream_error`, `total_timeout`, `shutting_down`). A body dropped because
+    /// the client went away ends with neither: observers see only their own drop.
+    Failed(&'static str),
+}
+
+/// Watches a response body. Every method has a default that ignores the news.
+pub trait Observer: Send {
+    /// An SSE event of the upstream stream, as it passes (before usage stripping).
+    fn on_event(&mut self, _event: &SseEvent) {}
+    /// A chunk the client receives.
+    fn on_chunk(&mut self, _chunk: &Bytes) {}
+    /// The body ended.
+    fn on_end(&mut self, _end: End) {}
+}
+
+impl<T: Observer> Observer for Option<T> {
+    fn on_event(&mut self, event: &SseEvent) {
+        if let Some(o) = self {
+            o.on_event(event);
+        }
+    }
+    fn on_chunk(&mut self, chunk: &Bytes) {
+        if let Some(o) = self {
+            o.on_chunk(chunk);
+        }
+    }
+    fn on_end(&mut self, end: End) {
+        if let Some(o) = self {
+            o.on_end(end);
+        }
+    }
+}
+
+impl<A: Observer, B: Observer, C: Observer> Observer for (A, B, C) {
+    fn on_event(&mut self, event: &SseEvent) {
+        self.0.on_event(event);
+        self.1.on_event(event);
+        self.2.on_event(event);
+    }
+    fn on_chunk(&mut self, chunk: &Bytes) {
+        self.0.on_chunk(chunk);
+        self.1.on_chunk(chunk);
+        self.2.on_chunk(chunk);
+    }
+    fn on_end(&mut self, end: End) {
+        self.0.on_end(end);
+        self.1.on_end(end);
+        self.2.on_end(end);
+    }
+}
+
 /// A client-facing response body.
 pub enum ProxyBody {
     Full(Option<Bytes>),
-    Relay(Box<Relay>),
+    Relay(Pin<Box<dyn Body<Data = Bytes, Error = BodyError> + Send>>),
     Heartbeat(Box<Heartbeat>),
     /// A cache hit: the stored chunks, as they were first sent.
     Replay(ReplayBody),
@@ -151,6 +205,16 @@ impl std::fmt::Debug for ProxyBody {
     }
 }
 
+impl ProxyBody {
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
+        ProxyBody::Full(Some(bytes.into()))
+    }
+
+    pub fn empty() -> Self {
+        ProxyBody::Full(None)
+    }
+}
+
 /// Turns the sidecar's own errors (plain data) into client responses, at the edge.
 pub trait IntoResponse {
     fn into_response(self) -> Response<ProxyBody>;
@@ -173,102 +237,59 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl ProxyBody {
-    pub fn full(bytes: impl Into<Bytes>) -> Self {
-        ProxyBody::Full(Some(bytes.into()))
-    }
-
-    pub fn empty() -> Self {
-        ProxyBody::Full(None)
-    }
+/// What a relay needs besides its observers.
+pub struct RelayParts {
+    /// Bytes already read from upstream, already passed through `forwarder` if it is an
+    /// SSE stream.
+    pub held: VecDeque<Bytes>,
+    /// The rest of the upstream body.
+    pub upstream: Incoming,
+    /// The SSE forwarder, for an event stream.
+    pub forwarder: Option<SseForwarder>,
+    /// `timeouts.idle`: the longest gap between two upstream chunks.
+    pub idle_timeout: Duration,
+    /// The request's total deadline.
+    pub deadline: Instant,
+    /// Holds the provider's connection slot until the body ends or is dropped.
+    pub permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Cancelled when the sidecar's drain time is up: the relay ends with an error.
+    pub drain_expired: CancellationToken,
 }
 
 /// Relay state of a committed upstream response.
-pub struct Relay {
+pub struct Relay<O> {
     held: VecDeque<Bytes>,
     upstream: Option<Incoming>,
     forwarder: Option<SseForwarder>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     total: Pin<Box<Sleep>>,
-    recorder: Recorder,
-    /// Records the client-facing chunks for the exact cache (a cache miss of a cacheable
-    /// request); committed only when the upstream body ended cleanly.
-    cache_fill: Option<CacheFill>,
-    /// The same for the semantic cache.
-    semantic_fill: Option<SemanticFill>,
-    /// The provider's circuit breaker hears how a stream ended (dropped unreported when the
-    /// client leaves or the route's total deadline cuts it: no verdict on the provider).
-    verdict: Option<StreamVerdict>,
-    /// Resolves when the sidecar's drain time is up: the relay ends with an error.
-    drain_expired: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
-    /// Holds the provider's connection slot until the body ends or is dropped.
+    observers: O,
+    drain_expired: Pin<Box<WaitForCancellationFutureOwned>>,
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
-impl Relay {
-    /// `held` are the bytes already read from upstream, already passed through
-    /// `forwarder` if it is an SSE stream; `upstream` is the rest of the body, if any.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        held: VecDeque<Bytes>,
-        upstream: Option<Incoming>,
-        forwarder: Option<SseForwarder>,
-        idle_timeout: Duration,
-        deadline: Instant,
-        recorder: Recorder,
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
-        mut cache_fill: Option<CacheFill>,
-    ) -> Self {
-        if let Some(fill) = cache_fill.as_mut() {
-            for chunk in &held {
-                fill.push(chunk);
-            }
-        }
-        Self {
-            held,
-            upstream,
-            forwarder,
-            idle_timeout,
-            idle: Box::pin(tokio::time::sleep(idle_timeout)),
-            total: Box::pin(tokio::time::sleep_until(deadline)),
-            recorder,
-            cache_fill,
-            verdict: None,
-            semantic_fill: None,
-            drain_expired: None,
-            _permit: permit,
-        }
+impl<O: Observer + Unpin + 'static> Relay<O> {
+    /// A relay of `parts` watched by `observers`, as a client body.
+    pub fn body(parts: RelayParts, observers: O) -> ProxyBody {
+        ProxyBody::Relay(Box::pin(Self {
+            held: parts.held,
+            upstream: Some(parts.upstream),
+            forwarder: parts.forwarder,
+            idle_timeout: parts.idle_timeout,
+            idle: Box::pin(tokio::time::sleep(parts.idle_timeout)),
+            total: Box::pin(tokio::time::sleep_until(parts.deadline)),
+            observers,
+            drain_expired: Box::pin(parts.drain_expired.cancelled_owned()),
+            _permit: parts.permit,
+        }))
     }
+}
 
-    /// Ends the relay with an error when `token` is cancelled (the drain timeout).
-    pub fn end_on(&mut self, token: CancellationToken) {
-        self.drain_expired = Some(Box::pin(token.cancelled_owned()));
-    }
-
-    /// Records what is sent for the semantic cache too.
-    pub fn set_semantic_fill(&mut self, mut fill: Option<SemanticFill>) {
-        if let Some(f) = fill.as_mut() {
-            for chunk in &self.held {
-                f.push(chunk);
-            }
-        }
-        self.semantic_fill = fill;
-    }
-
-    /// Reports the stream's end to the provider's circuit breaker.
-    pub fn set_verdict(&mut self, verdict: Option<StreamVerdict>) {
-        self.verdict = verdict;
-    }
-
-    /// A chunk goes to the client: the cache records it too.
+impl<O: Observer> Relay<O> {
+    /// A chunk goes to the client: the observers see it too.
     fn emit(&mut self, chunk: Bytes) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        if let Some(fill) = self.cache_fill.as_mut() {
-            fill.push(&chunk);
-        }
-        if let Some(fill) = self.semantic_fill.as_mut() {
-            fill.push(&chunk);
-        }
+        self.observers.on_chunk(&chunk);
         Poll::Ready(Some(Ok(Frame::data(chunk))))
     }
 
@@ -279,15 +300,8 @@ impl Relay {
         code: &'static str,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.upstream = None;
-        // Dropped uncommitted: a failed response is never cached.
-        self.cache_fill = None;
-        self.semantic_fill = None;
-        if !matches!(code, "total_timeout" | "shutting_down")
-            && let Some(verdict) = self.verdict.as_mut()
-        {
-            verdict.failure();
-        }
-        self.recorder.fail_mid_stream(code);
+        self.held.clear();
+        self.observers.on_end(End::Failed(code));
         if self.forwarder.is_some() {
             self.forwarder = None;
             Poll::Ready(Some(Ok(Frame::data(sse::error_event(
@@ -300,18 +314,18 @@ impl Relay {
         }
     }
 
-    fn on_chunk(&mut self, chunk: Bytes) -> Option<Bytes> {
+    /// An upstream chunk: through the SSE forwarder (its events to the observers), or as is.
+    fn forward(&mut self, chunk: Bytes) -> Option<Bytes> {
         let Some(forwarder) = self.forwarder.as_mut() else {
-            self.recorder.add_body_bytes(chunk.len());
             return Some(chunk);
         };
-        let recorder = &mut self.recorder;
-        let out = forwarder.forward(chunk, |event| recorder.on_sse_event(&event));
+        let observers = &mut self.observers;
+        let out = forwarder.forward(chunk, |event| observers.on_event(&event));
         if out.is_empty() { None } else { Some(out) }
     }
 }
 
-impl Body for ProxyBody {
+impl<O: Observer + Unpin> Body for Relay<O> {
     type Data = Bytes;
     type Error = BodyError;
 
@@ -319,32 +333,16 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let relay = match self.get_mut() {
-            ProxyBody::Full(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Relay(relay) => relay,
-            ProxyBody::Heartbeat(h) => return h.poll(cx),
-            ProxyBody::Replay(replay) => {
-                return match Pin::new(replay).poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-                    Poll::Ready(Some(Err(never))) => match never {},
-                    Poll::Ready(None) => Poll::Ready(None),
-                    Poll::Pending => Poll::Pending,
-                };
-            }
-        };
-        // Held bytes were recorded for the cache when the relay was made.
+        // Every field is Unpin (the timers and the drain future are boxed).
+        let relay = self.get_mut();
         if let Some(bytes) = relay.held.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(bytes))));
+            return relay.emit(bytes);
         }
         loop {
             let Some(upstream) = relay.upstream.as_mut() else {
                 return Poll::Ready(None);
             };
-            if relay
-                .drain_expired
-                .as_mut()
-                .is_some_and(|d| d.as_mut().poll(cx).is_ready())
-            {
+            if relay.drain_expired.as_mut().poll(cx).is_ready() {
                 return relay.fail(
                     "The sidecar is shutting down and its drain time ran out before the response ended.",
                     "shutting_down",
@@ -363,7 +361,7 @@ impl Body for ProxyBody {
                     };
                     let deadline = Instant::now() + relay.idle_timeout;
                     relay.idle.as_mut().reset(deadline);
-                    if let Some(out) = relay.on_chunk(data) {
+                    if let Some(out) = relay.forward(data) {
                         return relay.emit(out);
                     }
                 }
@@ -375,23 +373,15 @@ impl Body for ProxyBody {
                 }
                 Poll::Ready(None) => {
                     relay.upstream = None;
-                    relay.recorder.finish_ok();
-                    if let Some(verdict) = relay.verdict.as_mut() {
-                        verdict.success();
-                    }
                     let mut rest = Bytes::new();
                     if let Some(forwarder) = relay.forwarder.as_mut() {
-                        let recorder = &mut relay.recorder;
-                        rest = forwarder.finish(|event| recorder.on_sse_event(&event));
+                        let observers = &mut relay.observers;
+                        rest = forwarder.finish(|event| observers.on_event(&event));
                     }
-                    if let Some(mut fill) = relay.cache_fill.take() {
-                        fill.push(&rest);
-                        fill.commit();
+                    if !rest.is_empty() {
+                        relay.observers.on_chunk(&rest);
                     }
-                    if let Some(mut fill) = relay.semantic_fill.take() {
-                        fill.push(&rest);
-                        fill.commit();
-                    }
+                    relay.observers.on_end(End::Complete);
                     if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }
@@ -411,9 +401,35 @@ impl Body for ProxyBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        self.held.is_empty() && self.upstream.is_none()
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self.get_mut() {
+            ProxyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Relay(relay) => relay.as_mut().poll_frame(cx),
+            ProxyBody::Heartbeat(h) => h.poll(cx),
+            ProxyBody::Replay(replay) => match Pin::new(replay).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                Poll::Ready(Some(Err(never))) => match never {},
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Full(b) => b.is_none(),
-            ProxyBody::Relay(r) => r.held.is_empty() && r.upstream.is_none(),
+            ProxyBody::Relay(r) => r.is_end_stream(),
             ProxyBody::Heartbeat(_) => false,
             ProxyBody::Replay(r) => r.is_end_stream(),
         }
@@ -426,5 +442,37 @@ impl Body for ProxyBody {
             ProxyBody::Relay(_) | ProxyBody::Heartbeat(_) => SizeHint::default(),
             ProxyBody::Replay(r) => r.size_hint(),
         }
+    }
+}
+
+/// The response body of a cache hit: the stored chunks, in order, as separate frames.
+#[derive(Debug)]
+pub struct ReplayBody {
+    chunks: VecDeque<Bytes>,
+}
+
+impl ReplayBody {
+    pub fn new(chunks: VecDeque<Bytes>) -> Self {
+        Self { chunks }
+    }
+}
+
+impl Body for ReplayBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.chunks.pop_front().map(|c| Ok(Frame::data(c))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
     }
 }

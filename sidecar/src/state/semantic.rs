@@ -12,12 +12,13 @@
 //! (responses plus embeddings) overall; the oldest go first, which with one TTL per route is
 //! also the entry closest to expiring. Expired entries are skipped on lookup and dropped
 //! when the next insert runs, so lookups only take a read lock. Responses are stored as the
-//! exact cache's [`Entry`] and replayed with its [`crate::cache::ReplayBody`], streams
+//! exact cache's [`Entry`] and replayed with its [`crate::relay::ReplayBody`], streams
 //! byte-for-byte.
 //!
-//! **Embeddings** come from [`embed`]: `POST {baseUrl}/embeddings` on the configured
-//! provider's pooled client with its key, bounded by the route's `timeout`; any failure
-//! means the request simply goes upstream without the semantic cache.
+//! **Embeddings** come from `crate::attempts::embed`: `POST {baseUrl}/embeddings` to the
+//! configured provider through the same upstream call as every attempt, bounded by the
+//! route's `timeout`; any failure means the request simply goes upstream without the
+//! semantic cache.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -28,11 +29,7 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
-use serde::Deserialize;
-use serde_json::Value;
+use http::{HeaderMap, HeaderName, StatusCode};
 use tailwarden_crds::{CacheScope, InferenceRouteSpec};
 use tokio::time::Instant;
 
@@ -41,10 +38,10 @@ use tailwarden_decide::{
     semantic::{self, Features, NotComparable, PartitionKey, tenant_of},
 };
 
-use crate::{
-    cache::{Entry, MAX_ENTRY_BYTES},
-    routes::{Route, Upstream},
-    state::Registry,
+use super::{
+    Registry,
+    exact::{Entry, MAX_ENTRY_BYTES},
+    fill::{Fill, Sink},
 };
 
 pub use tailwarden_decide::semantic::{
@@ -55,8 +52,6 @@ pub use tailwarden_decide::semantic::{
 pub const HIT_HEADER_VALUE: &str = "semantic-hit";
 /// Response header with the similarity of a semantic hit (`0.9431`).
 pub const SIMILARITY_HEADER: &str = "x-tailwarden-cache-similarity";
-/// Largest embeddings response body read.
-pub const MAX_EMBEDDINGS_RESPONSE_BYTES: usize = 2 << 20;
 /// Near matches checked against the guards per lookup, best first.
 const MAX_CANDIDATES: usize = 8;
 /// Float slack when comparing a similarity with the threshold (a threshold of 1 must let
@@ -67,226 +62,6 @@ const SIMILARITY_EPSILON: f32 = 1e-5;
 const DUPLICATE_SIMILARITY: f32 = 0.9999;
 /// Bookkeeping counted per entry besides its response and embedding.
 const SLOT_OVERHEAD: u64 = 256;
-
-/// Why an embeddings call failed. Never carries the key, nor the provider's error message
-/// (some echo part of the key): only the status and the error `code`/`type`.
-#[derive(Debug, thiserror::Error)]
-pub enum SemanticError {
-    #[error("embeddings provider {provider} is not usable: {reason}")]
-    Unusable { provider: String, reason: String },
-    #[error("embeddings call to {provider} timed out after {timeout:?}")]
-    Timeout { provider: String, timeout: Duration },
-    #[error("embeddings call to {provider} failed: {reason}")]
-    Transport { provider: String, reason: String },
-    #[error("embeddings provider {provider} answered {status}{detail}")]
-    Status {
-        provider: String,
-        status: u16,
-        /// ` (code)` from the error body, or empty.
-        detail: String,
-    },
-    #[error("embeddings provider {provider} sent a bad response: {reason}")]
-    BadResponse { provider: String, reason: String },
-}
-
-impl SemanticError {
-    /// A metric label.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Unusable { .. } => "unusable",
-            Self::Timeout { .. } => "timeout",
-            Self::Transport { .. } => "transport",
-            Self::Status { .. } => "status",
-            Self::BadResponse { .. } => "bad_response",
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct EmbeddingsResponse {
-    data: Vec<EmbeddingItem>,
-}
-
-#[derive(Deserialize)]
-struct EmbeddingItem {
-    embedding: Vec<f32>,
-    #[serde(default)]
-    index: usize,
-}
-
-#[derive(Deserialize)]
-struct ErrorBody {
-    error: ErrorDetail,
-}
-
-#[derive(Deserialize)]
-struct ErrorDetail {
-    #[serde(default)]
-    code: Option<Value>,
-    #[serde(default, rename = "type")]
-    kind: Option<String>,
-}
-
-/// The provider's error code (or type), if it is a short identifier: never free text.
-fn error_code(body: &[u8]) -> String {
-    let Ok(parsed) = serde_json::from_slice::<ErrorBody>(body) else {
-        return String::new();
-    };
-    let code = match parsed.error.code {
-        Some(Value::String(s)) => Some(s),
-        Some(Value::Number(n)) => Some(n.to_string()),
-        _ => parsed.error.kind,
-    };
-    match code {
-        Some(c)
-            if !c.is_empty()
-                && c.len() <= 64
-                && c.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.') =>
-        {
-            format!(" ({c})")
-        }
-        _ => String::new(),
-    }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
-/// Embeds `input` with `model` at the provider: `POST {base_path}/embeddings` on its pooled
-/// client, with its auth header, within `timeout` (waiting for a connection slot, the
-/// response and its body all count). Returns the raw vector (see [`Embedding::new`]).
-pub async fn embed(
-    upstream: &Upstream,
-    model: &str,
-    input: &str,
-    timeout: Duration,
-) -> Result<Vec<f32>, SemanticError> {
-    let provider = || upstream.name.to_string();
-    if !upstream.usable() {
-        let reason = upstream
-            .state
-            .unusable
-            .lock()
-            .map(|u| u.clone().unwrap_or_default())
-            .unwrap_or_default();
-        return Err(SemanticError::Unusable {
-            provider: provider(),
-            reason,
-        });
-    }
-    let result = tokio::time::timeout(timeout, embed_inner(upstream, model, input)).await;
-    let outcome = match result {
-        Ok(r) => r,
-        Err(_) => Err(SemanticError::Timeout {
-            provider: provider(),
-            timeout,
-        }),
-    };
-    if let Err(e) = &outcome {
-        tracing::debug!(provider = %upstream.name, kind = e.kind(), error = %e, "embeddings call failed");
-    }
-    outcome
-}
-
-async fn embed_inner(
-    upstream: &Upstream,
-    model: &str,
-    input: &str,
-) -> Result<Vec<f32>, SemanticError> {
-    let provider = || upstream.name.to_string();
-    let transport = |reason: String| SemanticError::Transport {
-        provider: provider(),
-        reason,
-    };
-    let bad = |reason: String| SemanticError::BadResponse {
-        provider: provider(),
-        reason,
-    };
-    let _permit = upstream
-        .pool
-        .limit
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| transport("connection pool closed".into()))?;
-    let body = serde_json::to_vec(&serde_json::json!({"model": model, "input": input}))
-        .map_err(|e| transport(format!("cannot encode the request: {e}")))?;
-    let uri = http::Uri::builder()
-        .scheme(upstream.scheme.clone())
-        .authority(upstream.authority.clone())
-        .path_and_query(format!("{}/embeddings", upstream.base_path))
-        .build()
-        .map_err(|e| transport(format!("bad embeddings URL: {e}")))?;
-    let mut req = Request::builder()
-        .method(Method::POST)
-        .uri(uri)
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| transport(format!("cannot build the request: {e}")))?;
-    let headers = req.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-    headers.insert(
-        header::USER_AGENT,
-        HeaderValue::from_static(concat!("tailwarden/", env!("CARGO_PKG_VERSION"))),
-    );
-    if let Some(value) = upstream.auth_value() {
-        // Marked sensitive when loaded: hyper and our Debug never print it.
-        headers.insert(upstream.auth_header.clone(), (*value).clone());
-    }
-    let response = upstream
-        .pool
-        .client
-        .request(req)
-        .await
-        .map_err(|e| transport(error_chain(&e)))?;
-    let (parts, body) = response.into_parts();
-    let bytes = Limited::new(body, MAX_EMBEDDINGS_RESPONSE_BYTES)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                bad(format!(
-                    "the body is over {MAX_EMBEDDINGS_RESPONSE_BYTES} bytes"
-                ))
-            } else {
-                transport(error_chain(&*e))
-            }
-        })?
-        .to_bytes();
-    if !parts.status.is_success() {
-        return Err(SemanticError::Status {
-            provider: provider(),
-            status: parts.status.as_u16(),
-            detail: error_code(&bytes),
-        });
-    }
-    let parsed: EmbeddingsResponse = serde_json::from_slice(&bytes)
-        .map_err(|e| bad(format!("not an OpenAI embeddings response ({e})")))?;
-    let item = parsed
-        .data
-        .into_iter()
-        .min_by_key(|item| item.index)
-        .ok_or_else(|| bad("`data` is empty".into()))?;
-    if item.embedding.is_empty() || item.embedding.len() > MAX_DIMENSIONS {
-        return Err(bad(format!(
-            "the embedding has {} dimensions (1 to {MAX_DIMENSIONS} accepted)",
-            item.embedding.len()
-        )));
-    }
-    Ok(item.embedding)
-}
 
 // ---------------------------------------------------------------------------------------
 // The engine: settings, store, lookup, fill.
@@ -495,14 +270,6 @@ impl SemanticCache {
         (store.len, store.weight)
     }
 
-    /// The route's embeddings provider, compiled.
-    pub fn upstream_in<'a>(&self, route: &'a Route) -> Option<&'a Arc<Upstream>> {
-        route
-            .upstreams
-            .iter()
-            .find(|u| *u.name == *self.settings.provider)
-    }
-
     /// Prepares a request to `endpoint` (`/chat/completions`, `/completions`) for `model`
     /// (after tier choice), or says why it does not use the semantic cache.
     pub fn query(
@@ -656,96 +423,22 @@ impl SemanticCache {
         embedding: &Embedding,
         status: StatusCode,
         headers: &HeaderMap,
-    ) -> Option<SemanticFill> {
-        if !status.is_success() {
-            return None;
-        }
-        Some(SemanticFill {
-            cache: self.clone(),
-            query: query.clone(),
-            embedding: embedding.clone(),
+    ) -> Option<Fill> {
+        Fill::new(
             status,
-            content_type: headers.get(header::CONTENT_TYPE).cloned(),
-            chunks: Vec::new(),
-            bytes: 0,
-            over: false,
-            done: false,
-        })
-    }
-}
-
-/// Records a response as it is relayed; stores it on [`commit`](Self::commit). Dropped
-/// without commit (an error, a truncated stream, a client that went away) it stores
-/// nothing. The same contract as [`crate::cache::CacheFill`].
-pub struct SemanticFill {
-    cache: Arc<SemanticCache>,
-    query: Query,
-    embedding: Embedding,
-    status: StatusCode,
-    content_type: Option<HeaderValue>,
-    chunks: Vec<Bytes>,
-    bytes: usize,
-    over: bool,
-    done: bool,
-}
-
-impl std::fmt::Debug for SemanticFill {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SemanticFill({} bytes)", self.bytes)
-    }
-}
-
-impl SemanticFill {
-    /// A chunk as sent to the client (cheap: `Bytes` is reference-counted).
-    pub fn push(&mut self, chunk: &Bytes) {
-        if self.over || chunk.is_empty() {
-            return;
-        }
-        self.bytes += chunk.len();
-        if self.bytes > self.cache.max_entry_bytes {
-            self.over = true;
-            self.chunks = Vec::new();
-            return;
-        }
-        self.chunks.push(chunk.clone());
+            headers,
+            query.stream,
+            Sink::Semantic {
+                cache: self.clone(),
+                query: query.clone(),
+                embedding: embedding.clone(),
+            },
+        )
     }
 
-    /// Whether the response is still storable (not over the entry limit).
-    pub fn is_recording(&self) -> bool {
-        !self.over
-    }
-
-    /// The response completed cleanly: store it. Returns whether it was stored — a stream
-    /// without its final `data: [DONE]` or with an error event never is.
-    pub fn commit(mut self) -> bool {
-        self.done = true;
-        let cache = self.cache.clone();
-        if self.over {
-            cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        let entry = Entry::complete(
-            self.status,
-            self.content_type.take(),
-            std::mem::take(&mut self.chunks),
-            self.query.stream,
-            cache.settings.ttl,
-        );
-        match entry {
-            Some(entry) => cache.insert(&self.query, &self.embedding, entry),
-            None => {
-                cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-                false
-            }
-        }
-    }
-}
-
-impl Drop for SemanticFill {
-    fn drop(&mut self) {
-        if !self.done {
-            self.cache.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Counts a response recorded for this cache that was not stored.
+    pub(crate) fn abandoned(&self) {
+        self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -786,6 +479,8 @@ impl SemanticCaches {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use http::HeaderValue;
 
     /// A deterministic bag-of-words embedding: each lowercase word hashed (FNV-1a) into one
     /// of 1536 dimensions. Two texts that differ by one extra word out of seven have a

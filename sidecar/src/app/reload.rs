@@ -14,17 +14,8 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use crate::{proxy::App, routes::RouteTable};
-
-/// What `/config` reports about the loaded file.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct ConfigStatus {
-    pub file: String,
-    pub hash: String,
-    /// Seconds since the Unix epoch of the last successful load.
-    pub loaded_at: u64,
-    pub last_error: Option<String>,
-}
+use super::{App, ConfigStatus};
+use crate::config::{Registries, RouteTable};
 
 /// A hash of the effective routes (not of their formatting), for `/config` and to skip
 /// reloads that change nothing.
@@ -52,10 +43,7 @@ fn read_routes(path: &Path) -> Result<Vec<tailwarden_crds::InferenceRoute>, Stri
 }
 
 /// Loads and compiles a config file or directory.
-pub fn load(
-    registries: &crate::routes::Registries,
-    path: &Path,
-) -> Result<(RouteTable, String), String> {
+pub fn load(registries: &Registries, path: &Path) -> Result<(RouteTable, String), String> {
     let routes = read_routes(path)?;
     let hash = routes_hash(&routes);
     let table = RouteTable::compile(routes, registries).map_err(|e| e.to_string())?;
@@ -99,7 +87,7 @@ pub fn loaded(app: &App, path: &Path, hash: String) {
     });
     app.metrics.config_reloads.with_label_values(&["ok"]).inc();
     app.metrics.config_valid.set(1);
-    app.metrics.on_config(&app.table.load());
+    crate::config::series::on_config(&app.metrics, &app.table.load());
 }
 
 /// Polls `path` every `interval` and swaps in valid changes. Runs until dropped.

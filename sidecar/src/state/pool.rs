@@ -19,7 +19,7 @@ use hyper_util::{
 };
 use tokio::sync::Semaphore;
 
-use crate::{dns::CachingResolver, state::Registry};
+use super::{Registry, dns::CachingResolver};
 
 /// The request body type sent upstream: the (possibly rewritten) client body, in memory.
 pub type UpstreamBody = Full<Bytes>;

@@ -17,7 +17,7 @@
 //! The spans are `tracing` spans (target [`TARGET`]) turned into OpenTelemetry spans by
 //! `tracing-opentelemetry`; only that layer sees them (the log layer filters the target out).
 //! They are never entered: parents are explicit, and a span ends when its last handle is
-//! dropped — for a request, when the accounting [`Recorder`](crate::accounting::Recorder)
+//! dropped — for a request, when its [`Recorder`](crate::record::recorder::Recorder)
 //! is dropped after the last byte of the body, a failure or a client disconnect.
 //! (`tracing-opentelemetry` stamps a span's end at its last exit when it was ever entered,
 //! which would end a streamed request's span at its headers.)
@@ -214,16 +214,6 @@ pub fn init(log_format: &str) -> Option<Telemetry> {
     }
 }
 
-/// The GenAI operation of an endpoint (`/chat/completions` → `chat`).
-pub fn operation(suffix: &str) -> &'static str {
-    match suffix {
-        "/chat/completions" => "chat",
-        "/completions" => "text_completion",
-        "/embeddings" => "embeddings",
-        _ => "unknown",
-    }
-}
-
 /// The SERVER span of a client request, a child of the client's `traceparent` if it sent
 /// one. Named after the operation until [`name_server_span`] adds the model.
 pub fn server_span(operation: &'static str, path: &str, headers: &HeaderMap) -> Span {
@@ -388,7 +378,7 @@ pub struct Finish<'a> {
     pub status: u16,
     pub provider: &'a str,
     pub response_model: Option<&'a str>,
-    pub usage: Option<crate::accounting::Usage>,
+    pub usage: Option<tailwarden_decide::usage::Usage>,
     pub ttft: Option<Duration>,
     pub attempts: u32,
     pub hedged: bool,

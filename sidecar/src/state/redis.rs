@@ -12,7 +12,7 @@
 //!   until `min` tokens will be there, when they are not.
 //! - `give(n)` returns unused tokens (never beyond a full bucket).
 //!
-//! The sidecar calls them rarely: [`crate::limits`] serves requests from a local lease and
+//! The sidecar calls them rarely: [`crate::state::limits`] serves requests from a local lease and
 //! refills it in the background (see `limits/shared.rs`). This module is only the client: one
 //! multiplexed connection, an operation timeout, and a "down" state after a failure so that
 //! requests do not each wait for a dead server — while it is down every call fails at once,

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 use tailwarden_decide::bucket::Bucket;
 
-use crate::redis_backend::{BucketSpec, RedisBackend};
+use crate::state::redis::{BucketSpec, RedisBackend};
 
 /// Share of a period's amount a replica leases at most at once. At 1/20, two replicas
 /// strand at most 10 % of a period's tokens while the bucket is full, and much less near

@@ -1,0 +1,74 @@
+//! One client request as it walks the path: what ingress read and decided (route, tier,
+//! request id, deadline, span), and what policy added (the providers' capability
+//! decisions). Every later stage takes it whole instead of a long list of arguments; the
+//! parsed body travels beside it, borrowed from [`Exchange::raw_body`].
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use tailwarden_decide::{
+    capabilities::Decision,
+    request::{Endpoint, RequestBody},
+    tiers::CompiledTier,
+};
+use tokio::time::Instant;
+use tracing::Span;
+
+use super::App;
+use crate::config::Route;
+
+/// One client request. See the module docs.
+pub struct Exchange {
+    pub app: Arc<App>,
+    /// Which endpoint the client called.
+    pub endpoint: Endpoint,
+    pub arrived: Instant,
+    /// `arrived + timeouts.total`: every attempt, wait and relay ends by it.
+    pub deadline: Instant,
+    /// The request's SERVER span (none when tracing is off).
+    pub span: Span,
+    pub headers: HeaderMap,
+    /// The body as the client sent it, forwarded untouched unless a provider needs it
+    /// rewritten.
+    pub raw_body: Bytes,
+    pub route: Arc<Route>,
+    pub request_id: String,
+    /// Index into the route's tiers, if the request's content chose one.
+    pub tier: Option<usize>,
+    /// The response streams (`stream: true` on an endpoint that streams).
+    pub stream: bool,
+    /// Per provider (by index): what its capability rules do with this request; empty
+    /// when no provider of the route has rules. Set by the policy stage.
+    pub decisions: Vec<Decision>,
+}
+
+impl std::fmt::Debug for Exchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Exchange({} {})", self.request_id, self.route.name)
+    }
+}
+
+impl Exchange {
+    /// The tier the request fell in.
+    pub fn tier(&self) -> Option<&CompiledTier> {
+        self.tier.and_then(|i| self.route.tier_set.tiers().get(i))
+    }
+
+    /// The tier's name, for headers, metrics and the log line.
+    pub fn tier_name(&self) -> Option<&str> {
+        self.tier().map(|t| &*t.name)
+    }
+
+    /// The client-facing model after tier choice.
+    pub fn model<'a>(&'a self, body: &'a RequestBody<'_>) -> &'a str {
+        self.tier()
+            .map_or(body.model.as_ref(), |t| t.model.as_str())
+    }
+
+    /// Whether the sidecar asks providers for the stream's usage chunk on the client's
+    /// behalf (and strips it from what the client sees).
+    pub fn strips_usage(&self, body: &RequestBody<'_>) -> bool {
+        self.stream && self.route.settings.include_usage && !body.client_wants_usage
+    }
+}

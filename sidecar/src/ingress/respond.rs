@@ -1,0 +1,345 @@
+//! What the client gets back, for every way a request can end: a cached answer, the
+//! sidecar's own rejection (a limit, unsupported parameters), or the attempts' outcome —
+//! the winner's response relayed with its observers (the recorder, the stream's breaker
+//! verdict, the cache fill), or the failure. Every response carries `x-request-id` and the
+//! `x-tailwarden-*` headers.
+
+use std::{sync::Arc, time::Duration};
+
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use tailwarden_decide::{error::ApiError, request::RequestBody};
+use tokio::time::Instant;
+use tracing::Span;
+
+use crate::{
+    app::Exchange,
+    attempts::{
+        self, Outcome,
+        upstream::{concat, copy_response_headers},
+    },
+    config::Upstream,
+    policy::{CacheAnswer, CacheState, Prepared},
+    record::{
+        recorder::{Recorder, RequestInfo, SloTargets},
+        telemetry,
+    },
+    relay::{End, IntoResponse, Observer, ProxyBody, Relay, RelayParts},
+    state::{
+        exact::Entry,
+        fill::Fill,
+        limits::{AdmissionGuard, Rejection, Scope},
+        semantic,
+    },
+};
+
+/// What the recorder knows about a request no provider answered (a cache hit, a
+/// rejection).
+fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestInfo {
+    RequestInfo {
+        metrics: ex.app.metrics.clone(),
+        request_id: ex.request_id.clone(),
+        route: ex.route.name.clone(),
+        model: body.model.to_string(),
+        provider: Arc::from(""),
+        provider_model: String::new(),
+        tier: ex.tier().map(|t| t.name.clone()),
+        stream: ex.stream,
+        status,
+        attempts: 0,
+        hedged: false,
+        arrived: ex.arrived,
+        overhead: ex.arrived.elapsed(),
+        request_bytes: 0,
+        price: None,
+        slo: SloTargets::of(&ex.route.spec),
+        span: ex.span.clone(),
+        attempt_span: Span::none(),
+        cache: None,
+    }
+}
+
+/// The answer from a cache: the stored status, content type and body — a stream is
+/// replayed as the very chunks the first client received.
+pub fn cached(
+    ex: &Exchange,
+    body: &RequestBody<'_>,
+    entry: &Arc<Entry>,
+    answer: CacheAnswer,
+    admission: Option<AdmissionGuard>,
+) -> Response<ProxyBody> {
+    if answer == CacheAnswer::Exact {
+        ex.app
+            .metrics
+            .cache_requests
+            .with_label_values(&[&*ex.route.name, "hit"])
+            .inc();
+    }
+    let mut info = request_info(ex, body, entry.status.as_u16());
+    let label = match answer {
+        CacheAnswer::Exact => "hit",
+        CacheAnswer::Semantic(_) => semantic::HIT_HEADER_VALUE,
+    };
+    info.cache = Some(label);
+    info.provider = Arc::from("cache");
+    let mut recorder = Recorder::finished(info, None);
+    // Nothing was used: the reservation goes back whole.
+    recorder.set_admission(admission);
+    drop(recorder);
+    let payload = if entry.stream {
+        ProxyBody::Replay(entry.replay())
+    } else {
+        ProxyBody::full(entry.body())
+    };
+    let mut response = Response::new(payload);
+    *response.status_mut() = entry.status;
+    let headers = response.headers_mut();
+    if let Some(ct) = &entry.content_type {
+        headers.insert(header::CONTENT_TYPE, ct.clone());
+    }
+    if entry.stream {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    }
+    headers.insert(header::AGE, HeaderValue::from(entry.age(Instant::now())));
+    if let CacheAnswer::Semantic(similarity) = answer {
+        set_header(
+            headers,
+            semantic::SIMILARITY_HEADER,
+            &format!("{similarity:.4}"),
+        );
+    }
+    finish_headers(&mut response, ex, Some(label));
+    response
+}
+
+/// The sidecar's own 429/503 for a request over one of the route's limits: `Retry-After`,
+/// the limit named in the message and in `x-tailwarden-limit`. Never retried.
+pub fn rejected(
+    ex: &Exchange,
+    body: &RequestBody<'_>,
+    rejection: &Rejection,
+) -> Response<ProxyBody> {
+    let error = rejection.to_api_error();
+    let status = error.status;
+    let scope = match rejection.scope() {
+        Scope::Route(_) => "route",
+        Scope::Tenant { .. } => "tenant",
+    };
+    let limit = rejection.limit().label();
+    ex.app
+        .metrics
+        .admission_rejected
+        .with_label_values(&[&*ex.route.name, limit, scope, status.as_str()])
+        .inc();
+    let mut info = request_info(ex, body, status.as_u16());
+    info.request_bytes = ex.raw_body.len();
+    telemetry::refused(&ex.span, status.as_u16(), error.code.unwrap_or(error.kind));
+    drop(Recorder::finished(
+        info,
+        Some(if status == StatusCode::TOO_MANY_REQUESTS {
+            "rate_limited"
+        } else {
+            "overloaded"
+        }),
+    ));
+    let mut response = error.into_response();
+    set_header(response.headers_mut(), "x-tailwarden-limit", limit);
+    // OpenAI SDKs retry 429/503 on their own unless told not to; a limit that resets within a
+    // few seconds is worth their retry, a shed for overload is too, so the hint stays theirs.
+    finish_headers(&mut response, ex, None);
+    response
+}
+
+/// The 400 when no provider of the route takes the request's parameters.
+pub fn unsupported(
+    ex: &Exchange,
+    body: &RequestBody<'_>,
+    error: ApiError,
+    cache: &CacheState,
+    admission: Option<AdmissionGuard>,
+) -> Response<ProxyBody> {
+    let info = request_info(ex, body, error.status.as_u16());
+    let mut recorder = Recorder::finished(info, Some("unsupported_parameter"));
+    recorder.set_admission(admission);
+    drop(recorder);
+    let mut response = error.into_response();
+    finish_headers(&mut response, ex, cache.label());
+    response
+}
+
+/// Runs the attempts and builds the client response from their outcome.
+pub async fn attempted(
+    ex: &Exchange,
+    body: &RequestBody<'_>,
+    prepared: Prepared,
+) -> Response<ProxyBody> {
+    let Prepared {
+        cache,
+        admission,
+        semantic: semantic_miss,
+    } = prepared;
+    let route = &ex.route;
+    let model = ex.model(body);
+    let outcome = attempts::run(ex, body).await;
+    let info = |status: u16,
+                upstream: Option<&Upstream>,
+                attempts: u32,
+                hedged: bool,
+                overhead: Duration| RequestInfo {
+        metrics: ex.app.metrics.clone(),
+        request_id: ex.request_id.clone(),
+        route: route.name.clone(),
+        model: body.model.to_string(),
+        provider: upstream.map_or_else(|| Arc::from(""), |u| u.name.clone()),
+        provider_model: upstream.map_or_else(String::new, |u| u.provider_model(model).to_owned()),
+        tier: ex.tier().map(|t| t.name.clone()),
+        stream: ex.stream,
+        status,
+        attempts,
+        hedged,
+        arrived: ex.arrived,
+        overhead,
+        request_bytes: ex.raw_body.len(),
+        price: upstream.and_then(|u| u.prices.get(u.provider_model(model)).cloned()),
+        slo: SloTargets::of(&route.spec),
+        span: ex.span.clone(),
+        attempt_span: Span::none(),
+        cache: cache.label(),
+    };
+    let mut response = match outcome {
+        Outcome::Won(won) => {
+            let upstream = &route.upstreams[won.upstream];
+            let overhead = won.dispatch_delay + won.committed_at.elapsed();
+            let mut info = info(
+                won.status.as_u16(),
+                Some(upstream),
+                won.attempts,
+                won.hedged,
+                overhead,
+            );
+            info.attempt_span = won.span;
+            let mut recorder = Recorder::new(info);
+            recorder.set_admission(admission);
+            // One fill for the exact and the semantic cache, when either may store it.
+            let exact = match (&cache, &route.cache) {
+                (CacheState::Miss(key), Some(store)) => {
+                    store.fill(key, won.status, &won.headers, ex.stream)
+                }
+                _ => None,
+            };
+            let semantic = match (&route.semantic, &semantic_miss) {
+                (Some(sc), Some((query, embedding))) => {
+                    sc.fill(query, embedding, won.status, &won.headers)
+                }
+                _ => None,
+            };
+            let fill = Fill::join(exact, semantic);
+            let body = match won.rest {
+                None => {
+                    // Buffered whole: the observers see it at once.
+                    if let Some(usage) = won.usage {
+                        recorder.set_usage(usage);
+                    }
+                    if !ex.span.is_none() {
+                        recorder.set_response_model(
+                            won.held.front().and_then(|b| telemetry::body_model(b)),
+                        );
+                    }
+                    let whole = concat(won.held);
+                    let mut observers = (recorder, won.verdict, fill);
+                    observers.on_chunk(&whole);
+                    observers.on_end(End::Complete);
+                    drop(observers);
+                    ProxyBody::full(whole)
+                }
+                Some(rest) => {
+                    let mut observers = (recorder, won.verdict, fill);
+                    for ev in &won.first_events {
+                        observers.on_event(ev);
+                    }
+                    Relay::body(
+                        RelayParts {
+                            held: won.held,
+                            upstream: rest,
+                            forwarder: won.forwarder,
+                            idle_timeout: route.settings.idle,
+                            deadline: ex.deadline,
+                            permit: won.permit,
+                            drain_expired: ex.app.drain_expired.clone(),
+                        },
+                        observers,
+                    )
+                }
+            };
+            let mut response = Response::new(body);
+            *response.status_mut() = won.status;
+            copy_response_headers(&won.headers, response.headers_mut());
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-provider",
+                &upstream.name,
+            );
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-attempts",
+                &won.attempts.to_string(),
+            );
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-overhead-us",
+                &overhead.as_micros().to_string(),
+            );
+            response
+        }
+        Outcome::Failed(failed) => {
+            let upstream = failed.upstream.map(|i| &*route.upstreams[i]);
+            let status = failed.response.status();
+            let info = info(
+                status.as_u16(),
+                upstream,
+                failed.attempts,
+                failed.hedged,
+                failed.dispatch_delay,
+            );
+            let mut recorder = Recorder::finished(info, Some(failed.error_type));
+            recorder.set_admission(admission);
+            drop(recorder);
+            let mut response = failed.response;
+            if let Some(u) = upstream {
+                set_header(response.headers_mut(), "x-tailwarden-provider", &u.name);
+            }
+            set_header(
+                response.headers_mut(),
+                "x-tailwarden-attempts",
+                &failed.attempts.to_string(),
+            );
+            response
+        }
+    };
+    finish_headers(&mut response, ex, cache.label());
+    if let CacheState::Bypass(reason) = &cache {
+        set_header(
+            response.headers_mut(),
+            "x-tailwarden-cache-reason",
+            &reason.to_string(),
+        );
+    }
+    response
+}
+
+/// Headers every response of the request path carries.
+fn finish_headers(response: &mut Response<ProxyBody>, ex: &Exchange, cache: Option<&'static str>) {
+    let headers = response.headers_mut();
+    if let Some(tier) = ex.tier_name() {
+        set_header(headers, "x-tailwarden-tier", tier);
+    }
+    if let Some(cache) = cache {
+        headers.insert("x-tailwarden-cache", HeaderValue::from_static(cache));
+    }
+    set_header(headers, "x-request-id", &ex.request_id);
+}
+
+fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
+    if let Ok(v) = HeaderValue::from_str(value) {
+        headers.insert(name, v);
+    }
+}

@@ -1,0 +1,8 @@
+//! The last stage: what a request leaves behind. The [`recorder::Recorder`] watches the
+//! response body and, when it ends (or is dropped), writes the request's metrics, tokens,
+//! cost, span outcome and one JSON access-log line, exactly once. [`metrics`] is the
+//! Prometheus registry, [`telemetry`] the OpenTelemetry spans and the log subscriber.
+
+pub mod metrics;
+pub mod recorder;
+pub mod telemetry;
