@@ -12,7 +12,8 @@
 //! - the resource: `service.name` = the workload, `k8s.namespace.name`, `k8s.pod.name`,
 //!   `k8s.deployment.name`, and a user attribute from the chart.
 //!
-//! Export is OTLP/HTTP (http/protobuf), the protocol the sidecar speaks today.
+//! Both OTLP protocols, each with its own sidecar: OTLP/HTTP (http/protobuf, Jaeger's 4318
+//! receiver) and OTLP/gRPC (the 4317 receiver).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
@@ -70,6 +71,7 @@ fn jaeger_bin() -> PathBuf {
 struct Jaeger {
     _proc: ChildProc,
     otlp_http: SocketAddr,
+    otlp_grpc: SocketAddr,
     query: SocketAddr,
     log: PathBuf,
 }
@@ -114,6 +116,7 @@ exporters:
     Jaeger {
         _proc: ChildProc::spawn("jaeger", &cmd, &log).unwrap(),
         otlp_http: SocketAddr::from(([127, 0, 0, 1], http)),
+        otlp_grpc: SocketAddr::from(([127, 0, 0, 1], grpc)),
         query: SocketAddr::from(([127, 0, 0, 1], query)),
         log,
     }
@@ -375,10 +378,26 @@ fn sidecar_bin() -> PathBuf {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http() {
+async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http_and_grpc() {
     let dir = std::env::temp_dir().join(format!("tw-jaeger-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let jaeger = start_jaeger(&dir);
+    for protocol in [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc] {
+        let endpoint = match protocol {
+            OtlpProtocol::HttpProtobuf => format!("http://{}", jaeger.otlp_http),
+            OtlpProtocol::Grpc => format!("http://{}", jaeger.otlp_grpc),
+        };
+        let dir = dir.join(protocol.as_str().replace('/', "-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        traced_through_jaeger(&jaeger, &dir, OtelConfig::new(endpoint, protocol)).await;
+    }
+    drop(jaeger);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One sidecar exporting with `otel`: a retried and a hedged request, read back from Jaeger.
+async fn traced_through_jaeger(jaeger: &Jaeger, dir: &Path, mut otel: OtelConfig) {
+    let what = otel.protocol.as_str();
 
     let flaky = upstream(Behaviour::Fail503).await;
     let backup = upstream(Behaviour::Ok {
@@ -409,11 +428,7 @@ async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http() {
     let config_path = dir.join("routes.yaml");
     std::fs::write(&config_path, config).unwrap();
 
-    // The environment the injector renders for tracing to this Jaeger over OTLP/HTTP.
-    let mut otel = OtelConfig::new(
-        format!("http://{}", jaeger.otlp_http),
-        OtlpProtocol::HttpProtobuf,
-    );
+    // The environment the injector renders for tracing to this Jaeger.
     otel.resource_attributes = vec![("deployment.environment.name".into(), "test".into())];
     let env = injected_env(otel);
     let env_names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
@@ -422,6 +437,7 @@ async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http() {
             && env_names.contains(&"OTEL_RESOURCE_ATTRIBUTES"),
         "{env_names:?}"
     );
+    assert!(env.contains(&("OTEL_EXPORTER_OTLP_PROTOCOL".to_owned(), what.to_owned())));
 
     let listen = format!("127.0.0.1:{}", free_port());
     let admin = format!("127.0.0.1:{}", free_port());
@@ -452,8 +468,8 @@ async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http() {
     let (trace_id, client_span, tp) = client_traceparent();
     let (status, body) = post_chat(&listen, "m", &tp).await;
     assert_eq!(status, 200, "{body}");
-    let spans = jaeger_trace(&jaeger, &trace_id, 3).await;
-    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let spans = jaeger_trace(jaeger, &trace_id, 3).await;
+    assert_eq!(spans.len(), 3, "{what}: {spans:#?}");
     let server: Vec<&JSpan> = spans.iter().filter(|s| s.kind() == "server").collect();
     assert_eq!(server.len(), 1, "{spans:#?}");
     let server = server[0];
@@ -515,8 +531,8 @@ async fn jaeger_receives_the_injected_sidecars_spans_over_otlp_http() {
     let (trace_id, client_span, tp) = client_traceparent();
     let (status, body) = post_chat(&listen, "h", &tp).await;
     assert_eq!(status, 200, "{body}");
-    let spans = jaeger_trace(&jaeger, &trace_id, 3).await;
-    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let spans = jaeger_trace(jaeger, &trace_id, 3).await;
+    assert_eq!(spans.len(), 3, "{what}: {spans:#?}");
     let server = spans.iter().find(|s| s.kind() == "server").unwrap();
     assert_eq!(server.parent.as_deref(), Some(client_span.as_str()));
     assert_eq!(server.tag("tailwarden.hedged"), true);

@@ -141,6 +141,7 @@ fn harness() -> &'static Harness {
         let (telemetry, layer) = telemetry::layer(&telemetry::Config {
             endpoint: Some(format!("http://{addr}/v1/traces")),
             timeout: Duration::from_secs(5),
+            protocol: telemetry::Protocol::HttpProtobuf,
         })
         .unwrap();
         tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))

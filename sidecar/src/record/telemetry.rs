@@ -69,9 +69,41 @@ pub struct Config {
     pub endpoint: Option<String>,
     /// How long one export may take.
     pub timeout: Duration,
+    /// OTLP over gRPC or HTTP (protobuf).
+    pub protocol: Protocol,
 }
 
-fn env(name: &str) -> Option<String> {
+/// The OTLP transport (`OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// OTLP/gRPC: a collector's port 4317; the endpoint is used as is.
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies: a collector's port 4318; `/v1/traces` is appended to
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`. The default, as the OpenTelemetry specification has it.
+    #[default]
+    HttpProtobuf,
+}
+
+impl Protocol {
+    /// The protocol named by the variable's value; `None` for one the sidecar does not speak
+    /// (`http/json`).
+    pub fn parse(value: &str) -> Option<Self> {
+        match value.trim() {
+            "grpc" => Some(Self::Grpc),
+            "http/protobuf" => Some(Self::HttpProtobuf),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Grpc => "grpc",
+            Self::HttpProtobuf => "http/protobuf",
+        }
+    }
+}
+
+pub(crate) fn env(name: &str) -> Option<String> {
     std::env::var(name)
         .ok()
         .map(|v| v.trim().to_owned())
@@ -89,14 +121,23 @@ impl Config {
         {
             return None;
         }
-        env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))?;
+        let traces_endpoint = env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+        let endpoint = traces_endpoint
+            .clone()
+            .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))?;
         let timeout = env("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
             .or_else(|| env("OTEL_EXPORTER_OTLP_TIMEOUT"))
             .and_then(|ms| ms.parse::<u64>().ok())
             .map_or(Duration::from_secs(10), Duration::from_millis);
+        let protocol = env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            .or_else(|| env("OTEL_EXPORTER_OTLP_PROTOCOL"))
+            .map_or(Some(Protocol::default()), |p| Protocol::parse(&p))
+            .unwrap_or_default();
         Some(Self {
-            endpoint: None,
+            // gRPC uses the endpoint as it is; OTLP/HTTP's exporter resolves it itself.
+            endpoint: (protocol == Protocol::Grpc).then_some(endpoint),
             timeout,
+            protocol,
         })
     }
 }
@@ -130,14 +171,6 @@ pub fn layer<S>(config: &Config) -> Result<(Telemetry, impl Layer<S>), String>
 where
     S: tracing::Subscriber + for<'a> LookupSpan<'a>,
 {
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_http_client(ExportClient::new(config.timeout)?)
-        .with_timeout(config.timeout);
-    if let Some(endpoint) = &config.endpoint {
-        exporter = exporter.with_endpoint(endpoint.clone());
-    }
-    let exporter = exporter.build().map_err(|e| e.to_string())?;
     let mut resource = Resource::builder()
         .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
     let named = env("OTEL_SERVICE_NAME").is_some()
@@ -150,10 +183,30 @@ where
     }
     // The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (the SDK reads
     // them; default parentbased_always_on), the batch settings from OTEL_BSP_*.
-    let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(resource.build())
-        .build();
+    let builder = SdkTracerProvider::builder().with_resource(resource.build());
+    let provider = match config.protocol {
+        Protocol::Grpc => {
+            let endpoint = config
+                .endpoint
+                .clone()
+                .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+                .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+                .ok_or("no OTLP endpoint")?;
+            let exporter = super::otlp_grpc::GrpcExporter::new(&endpoint, config.timeout)?;
+            builder.with_batch_exporter(exporter).build()
+        }
+        Protocol::HttpProtobuf => {
+            let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_http_client(ExportClient::new(config.timeout, false)?)
+                .with_timeout(config.timeout);
+            if let Some(endpoint) = &config.endpoint {
+                exporter = exporter.with_endpoint(endpoint.clone());
+            }
+            let exporter = exporter.build().map_err(|e| e.to_string())?;
+            builder.with_batch_exporter(exporter).build()
+        }
+    };
     let tracer = provider.tracer("tailwarden-sidecar");
     let layer = tracing_opentelemetry::layer()
         .with_tracer(tracer)
@@ -199,11 +252,15 @@ pub fn init(log_format: &str) -> Option<Telemetry> {
             registry.with(otel).init();
             if let Some(p) = env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 .or_else(|| env("OTEL_EXPORTER_OTLP_PROTOCOL"))
-                .filter(|p| p != "http/protobuf")
+                .filter(|p| Protocol::parse(p).is_none())
             {
-                tracing::warn!(protocol = %p, "the sidecar exports traces as OTLP http/protobuf only (port 4318 on a collector), not {p}");
+                tracing::warn!(protocol = %p, "the sidecar exports traces over OTLP grpc or http/protobuf, not {p}; using http/protobuf");
             }
-            tracing::info!("OpenTelemetry tracing on (OTLP http/protobuf)");
+            tracing::info!(
+                protocol = config.protocol.as_str(),
+                "OpenTelemetry tracing on (OTLP {})",
+                config.protocol.as_str()
+            );
             Some(telemetry)
         }
         Err(e) => {
@@ -467,9 +524,9 @@ pub fn body_model(body: &[u8]) -> Option<String> {
     serde_json::from_slice::<Body>(body).ok()?.model
 }
 
-/// The exporter's HTTP client: hyper on a one-thread runtime of its own, so exports work from
+/// The exporters' HTTP client: hyper on a one-thread runtime of its own, so exports work from
 /// the batch processor's thread and never compete with the request path's workers.
-struct ExportClient {
+pub(crate) struct ExportClient {
     client: hyper_util::client::legacy::Client<
         hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
         Full<Bytes>,
@@ -499,7 +556,8 @@ impl Drop for OwnedRuntime {
 const EXPORT_RESPONSE_LIMIT: usize = 1 << 20;
 
 impl ExportClient {
-    fn new(timeout: Duration) -> Result<Self, String> {
+    /// `http2_only`: HTTP/2 also over plain `http://` (prior knowledge), as gRPC needs.
+    pub(crate) fn new(timeout: Duration, http2_only: bool) -> Result<Self, String> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("otlp-export")
@@ -512,14 +570,17 @@ impl ExportClient {
         http.set_connect_timeout(Some(timeout));
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
+            .https_or_http();
+        let https = if http2_only {
+            https.enable_http2().wrap_connector(http)
+        } else {
+            https.enable_http1().enable_http2().wrap_connector(http)
+        };
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_timer(hyper_util::rt::TokioTimer::new())
                 .pool_idle_timeout(Duration::from_secs(30))
+                .http2_only(http2_only)
                 .build(https);
         Ok(Self {
             client,
@@ -527,35 +588,79 @@ impl ExportClient {
             timeout,
         })
     }
-}
 
-#[async_trait::async_trait]
-impl HttpClient for ExportClient {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
+    /// Sends `request` on the export runtime and hands the response to `read`, all within
+    /// the export timeout.
+    pub(crate) async fn call<T, F, Fut>(
+        &self,
+        request: Request<Full<Bytes>>,
+        read: F,
+    ) -> Result<T, String>
+    where
+        F: FnOnce(Response<hyper::body::Incoming>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, String>> + Send,
+        T: Send + 'static,
+    {
         let Some(runtime) = self.runtime.0.as_ref() else {
             return Err("the export runtime is gone".into());
         };
         let client = self.client.clone();
         let timeout = self.timeout;
         let task = runtime.spawn(async move {
-            let (parts, body) = request.into_parts();
             let exchange = async {
-                let response = client
-                    .request(Request::from_parts(parts, Full::new(body)))
-                    .await
-                    .map_err(|e| -> HttpError { Box::new(e) })?;
+                let response = client.request(request).await.map_err(|e| {
+                    // The source says why (connection refused, TLS, …).
+                    let source = std::error::Error::source(&e)
+                        .map(|s| format!(": {s}"))
+                        .unwrap_or_default();
+                    format!("{e}{source}")
+                })?;
+                read(response).await
+            };
+            tokio::time::timeout(timeout, exchange)
+                .await
+                .map_err(|_| "the OTLP export timed out".to_owned())?
+        });
+        task.await.map_err(|e| e.to_string())?
+    }
+}
+
+#[async_trait::async_trait]
+impl HttpClient for ExportClient {
+    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
+        let (parts, body) = request.into_parts();
+        self.call(
+            Request::from_parts(parts, Full::new(body)),
+            |response| async move {
                 let (parts, body) = response.into_parts();
                 let body = Limited::new(body, EXPORT_RESPONSE_LIMIT)
                     .collect()
                     .await
-                    .map_err(|e| -> HttpError { e })?
+                    .map_err(|e| e.to_string())?
                     .to_bytes();
-                Ok::<_, HttpError>(Response::from_parts(parts, body))
-            };
-            tokio::time::timeout(timeout, exchange)
-                .await
-                .map_err(|_| -> HttpError { "the OTLP export timed out".into() })?
-        });
-        task.await.map_err(|e| -> HttpError { Box::new(e) })?
+                Ok(Response::from_parts(parts, body))
+            },
+        )
+        .await
+        .map_err(HttpError::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_protocol_variable_names_grpc_or_http_protobuf_only() {
+        assert_eq!(Protocol::parse("grpc"), Some(Protocol::Grpc));
+        assert_eq!(
+            Protocol::parse(" http/protobuf "),
+            Some(Protocol::HttpProtobuf)
+        );
+        assert_eq!(Protocol::parse("http/json"), None);
+        assert_eq!(Protocol::default(), Protocol::HttpProtobuf);
+        for p in [Protocol::Grpc, Protocol::HttpProtobuf] {
+            assert_eq!(Protocol::parse(p.as_str()), Some(p));
+        }
     }
 }
