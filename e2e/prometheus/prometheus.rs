@@ -36,6 +36,35 @@ const LOAD: &str = "20s";
 /// Every metric the sidecar exports: name, type, labels (besides Prometheus' job and instance).
 const METRICS: &[(&str, &str, &[&str])] = &[
     (
+        "gen_ai_client_token_usage",
+        "histogram",
+        &[
+            "gen_ai_operation_name",
+            "gen_ai_provider_name",
+            "gen_ai_request_model",
+            "gen_ai_token_type",
+        ],
+    ),
+    (
+        "gen_ai_client_operation_duration_seconds",
+        "histogram",
+        &[
+            "gen_ai_operation_name",
+            "gen_ai_provider_name",
+            "gen_ai_request_model",
+            "error_type",
+        ],
+    ),
+    (
+        "gen_ai_client_operation_time_to_first_chunk_seconds",
+        "histogram",
+        &[
+            "gen_ai_operation_name",
+            "gen_ai_provider_name",
+            "gen_ai_request_model",
+        ],
+    ),
+    (
         "tailwarden_requests_total",
         "counter",
         &["route", "provider", "model", "status_class"],
@@ -380,10 +409,15 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
         .replace("${PRIMARY_URL}", &format!("http://{primary}/v1"))
         .replace("${BACKUP_URL}", &format!("http://{backup}/v1"));
     std::fs::write(dir.join("route.yaml"), route).unwrap();
-    let sidecar = Sidecar::start(
+    // With the OpenTelemetry GenAI metrics on, as OTEL_SEMCONV_STABILITY_OPT_IN asks.
+    let sidecar = Sidecar::start_with_env(
         &sidecar_bin,
         &dir.join("route.yaml"),
         &dir.join("sidecar.log"),
+        &[(
+            "OTEL_SEMCONV_STABILITY_OPT_IN",
+            "gen_ai_latest_experimental",
+        )],
     )
     .unwrap();
 
@@ -504,8 +538,21 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
             .chain(["__name__", "job", "instance"])
             .collect();
         for s in series {
-            let got: BTreeSet<&str> = s.as_object().unwrap().keys().map(String::as_str).collect();
+            let mut got: BTreeSet<&str> =
+                s.as_object().unwrap().keys().map(String::as_str).collect();
+            // As the GenAI conventions have it, error_type is there only on failures
+            // (Prometheus drops the empty value of successful calls).
+            if *name == "gen_ai_client_operation_duration_seconds" {
+                got.insert("error_type");
+            }
             assert_eq!(got, want, "{name}: {s}");
+        }
+        if *name == "gen_ai_client_operation_duration_seconds" {
+            assert!(
+                series.iter().any(|s| s.get("error_type").is_some())
+                    && series.iter().any(|s| s.get("error_type").is_none()),
+                "{name}: failed and successful calls both have series: {series:?}"
+            );
         }
     }
 
@@ -518,7 +565,7 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
             .find_map(|s| n.strip_suffix(s))
             .filter(|f| METRICS.iter().any(|(m, k, _)| m == f && *k == "histogram"))
             .unwrap_or(n);
-        if family.starts_with("tailwarden_") {
+        if family.starts_with("tailwarden_") || family.starts_with("gen_ai_") {
             assert!(
                 docs.contains(&format!("`{family}`")),
                 "{family} is not in docs/observability.md"

@@ -60,7 +60,18 @@ impl Sidecar {
     /// Starts `binary` with `config`, logs (JSON) to `log`, and waits until it is ready
     /// (`/readyz` answers 200).
     pub fn start(binary: &Path, config: &Path, log: &Path) -> Result<Self, SidecarError> {
+        Self::start_with_env(binary, config, log, &[])
+    }
+
+    /// [`Sidecar::start`] with extra environment variables.
+    pub fn start_with_env(
+        binary: &Path,
+        config: &Path,
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<Self, SidecarError> {
         let mut cmd = Command::new(binary);
+        cmd.envs(env.iter().copied());
         cmd.arg("--config")
             .arg(config)
             .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])

@@ -37,6 +37,7 @@ use crate::{
 fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestInfo {
     RequestInfo {
         metrics: ex.app.metrics.clone(),
+        operation: ex.endpoint.operation(),
         request_id: ex.request_id.clone(),
         route: ex.route.name.clone(),
         model: body.model.to_string(),
@@ -186,6 +187,7 @@ pub async fn attempted(
                 hedged: bool,
                 overhead: Duration| RequestInfo {
         metrics: ex.app.metrics.clone(),
+        operation: ex.endpoint.operation(),
         request_id: ex.request_id.clone(),
         route: route.name.clone(),
         model: body.model.to_string(),

@@ -37,6 +37,68 @@ pub const TPOT_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 ];
 
+/// `gen_ai.client.token.usage` buckets, the OpenTelemetry GenAI conventions' advice.
+pub const GEN_AI_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
+];
+/// `gen_ai.client.operation.duration` and `…time_to_first_chunk` buckets, the conventions'
+/// advice.
+pub const GEN_AI_DURATION_BUCKETS: &[f64] = &[
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+
+/// The value of `OTEL_SEMCONV_STABILITY_OPT_IN` that asks for the GenAI conventions' current
+/// (experimental) metrics.
+pub const GEN_AI_OPT_IN: &str = "gen_ai_latest_experimental";
+
+/// Whether `OTEL_SEMCONV_STABILITY_OPT_IN` (a comma-separated list) opts in to them.
+pub fn gen_ai_opted_in(opt_in: Option<&str>) -> bool {
+    opt_in.is_some_and(|v| v.split(',').any(|c| c.trim() == GEN_AI_OPT_IN))
+}
+
+/// The OpenTelemetry GenAI client metrics, in Prometheus form, exported beside the
+/// `tailwarden_*` ones when opted in. Labels are the conventions' attributes the sidecar
+/// knows from its config (never the provider-sent response model, which is unbounded).
+pub struct GenAiMetrics {
+    /// `gen_ai.client.token.usage`: tokens per call, by `gen_ai.token.type`.
+    pub token_usage: HistogramVec,
+    /// `gen_ai.client.operation.duration`, with `error.type` on failures.
+    pub operation_duration: HistogramVec,
+    /// `gen_ai.client.operation.time_to_first_chunk`: streamed calls only.
+    pub time_to_first_chunk: HistogramVec,
+}
+
+impl GenAiMetrics {
+    fn new() -> prometheus::Result<Self> {
+        const OP: &[&str] = &[
+            "gen_ai_operation_name",
+            "gen_ai_provider_name",
+            "gen_ai_request_model",
+        ];
+        Ok(Self {
+            token_usage: histogram(
+                "gen_ai_client_token_usage",
+                "Tokens used per GenAI call, by gen_ai_token_type (input includes cached input); OpenTelemetry gen_ai.client.token.usage.",
+                &[OP, &["gen_ai_token_type"]].concat(),
+                GEN_AI_TOKEN_BUCKETS,
+            )?,
+            operation_duration: histogram(
+                "gen_ai_client_operation_duration_seconds",
+                "GenAI call duration, arrival to the last byte; OpenTelemetry gen_ai.client.operation.duration.",
+                &[OP, &["error_type"]].concat(),
+                GEN_AI_DURATION_BUCKETS,
+            )?,
+            time_to_first_chunk: histogram(
+                "gen_ai_client_operation_time_to_first_chunk_seconds",
+                "Arrival to the first content chunk of a streamed GenAI call; OpenTelemetry gen_ai.client.operation.time_to_first_chunk.",
+                OP,
+                GEN_AI_DURATION_BUCKETS,
+            )?,
+        })
+    }
+}
+
 /// All metrics of one sidecar process.
 pub struct Metrics {
     pub registry: Registry,
@@ -69,6 +131,8 @@ pub struct Metrics {
     pub semantic_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
     pub cache_bytes: IntGaugeVec,
+    /// The GenAI conventions' metrics, when `OTEL_SEMCONV_STABILITY_OPT_IN` asks for them.
+    pub gen_ai: Option<GenAiMetrics>,
     /// Serialises the per-config series' reset-and-set against each other
     /// ([`crate::config::series`]).
     pub series_lock: std::sync::Mutex<()>,
@@ -93,7 +157,14 @@ fn histogram(
 }
 
 impl Metrics {
+    /// The metrics, with the GenAI ones when `OTEL_SEMCONV_STABILITY_OPT_IN` opts in.
     pub fn new() -> prometheus::Result<Self> {
+        let opt_in = std::env::var("OTEL_SEMCONV_STABILITY_OPT_IN").ok();
+        Self::with_gen_ai(gen_ai_opted_in(opt_in.as_deref()))
+    }
+
+    /// The metrics, with or without the GenAI conventions' ones.
+    pub fn with_gen_ai(gen_ai: bool) -> prometheus::Result<Self> {
         let registry = Registry::new();
         let m = Self {
             requests: IntCounterVec::new(
@@ -281,9 +352,17 @@ impl Metrics {
                 ),
                 &["route"],
             )?,
+            gen_ai: gen_ai.then(GenAiMetrics::new).transpose()?,
             series_lock: std::sync::Mutex::new(()),
             registry,
         };
+        if let Some(g) = &m.gen_ai {
+            m.registry.register(Box::new(g.token_usage.clone()))?;
+            m.registry
+                .register(Box::new(g.operation_duration.clone()))?;
+            m.registry
+                .register(Box::new(g.time_to_first_chunk.clone()))?;
+        }
         m.registry.register(Box::new(m.requests.clone()))?;
         m.registry.register(Box::new(m.request_duration.clone()))?;
         m.registry.register(Box::new(m.ttft.clone()))?;
@@ -329,5 +408,43 @@ impl Metrics {
         // registration already rules out; an empty page is the safe answer then.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn the_gen_ai_metrics_are_exported_only_when_opted_in() {
+        assert!(!gen_ai_opted_in(None));
+        assert!(!gen_ai_opted_in(Some("http")));
+        assert!(gen_ai_opted_in(Some("gen_ai_latest_experimental")));
+        assert!(gen_ai_opted_in(Some("http, gen_ai_latest_experimental")));
+        let off = Metrics::with_gen_ai(false).unwrap();
+        assert!(off.gen_ai.is_none());
+        let on = Metrics::with_gen_ai(true).unwrap();
+        let g = on.gen_ai.as_ref().unwrap();
+        g.token_usage
+            .with_label_values(&["chat", "openai", "gpt-4.1", "input"])
+            .observe(12.0);
+        g.operation_duration
+            .with_label_values(&["chat", "openai", "gpt-4.1", ""])
+            .observe(0.5);
+        g.time_to_first_chunk
+            .with_label_values(&["chat", "openai", "gpt-4.1"])
+            .observe(0.1);
+        let text = String::from_utf8(on.render()).unwrap();
+        for name in [
+            "# TYPE gen_ai_client_token_usage histogram",
+            "# TYPE gen_ai_client_operation_duration_seconds histogram",
+            "# TYPE gen_ai_client_operation_time_to_first_chunk_seconds histogram",
+            "gen_ai_client_token_usage_bucket{gen_ai_operation_name=\"chat\",gen_ai_provider_name=\"openai\",gen_ai_request_model=\"gpt-4.1\",gen_ai_token_type=\"input\",le=\"16\"} 1",
+        ] {
+            assert!(text.contains(name), "{name} missing:\n{text}");
+        }
+        assert!(!String::from_utf8(off.render()).unwrap().contains("gen_ai_"));
     }
 }

@@ -59,6 +59,8 @@ impl SloTargets {
 #[derive(Debug, Clone)]
 pub struct RequestInfo {
     pub metrics: Arc<Metrics>,
+    /// The GenAI operation (`chat`, `text_completion`, `embeddings`).
+    pub operation: &'static str,
     pub request_id: String,
     pub route: Arc<str>,
     pub model: String,
@@ -336,6 +338,29 @@ impl Drop for Recorder {
             cache = i.cache,
             "request"
         );
+        // The GenAI client metrics describe calls to a provider: not cache hits or requests
+        // refused before any attempt.
+        if let Some(g) = &m.gen_ai
+            && i.attempts > 0
+            && i.cache != Some("hit")
+        {
+            let op = [i.operation, provider, i.model.as_str()];
+            g.operation_duration
+                .with_label_values(&[op[0], op[1], op[2], error_type.unwrap_or("")])
+                .observe(total.as_secs_f64());
+            if let (true, Some(ttft)) = (i.stream, self.ttft) {
+                g.time_to_first_chunk
+                    .with_label_values(&op)
+                    .observe(ttft.as_secs_f64());
+            }
+            if let Some(u) = &usage {
+                for (kind, n) in [("input", u.input), ("output", u.output)] {
+                    g.token_usage
+                        .with_label_values(&[op[0], op[1], op[2], kind])
+                        .observe(n as f64);
+                }
+            }
+        }
         // End the attempt's CLIENT span before the request's SERVER span.
         drop(std::mem::replace(
             &mut self.info.attempt_span,
