@@ -414,9 +414,15 @@ fn the_otel_values_reach_the_operator_flags() {
         "sidecar.otel.samplingRatio=0.25",
         "--set",
         "sidecar.otel.resourceAttributes.deployment\\.environment\\.name=prod",
+        "--set",
+        "sidecar.genAiMetrics=true",
     ])
     .unwrap();
     let a = args(one(&docs, "Deployment"));
+    assert!(
+        a.contains(&"--sidecar-gen-ai-metrics=true".to_owned()),
+        "{a:?}"
+    );
     let otel: Vec<&str> = a
         .iter()
         .filter(|x| x.starts_with("--sidecar-otel"))

@@ -69,6 +69,9 @@ pub struct InjectConfig {
     pub max_connections: Option<u32>,
     /// OpenTelemetry trace export of the sidecars; off when `None`.
     pub otel: Option<OtelConfig>,
+    /// Export the OpenTelemetry GenAI client metrics beside `tailwarden_*`
+    /// (`OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental`).
+    pub gen_ai_metrics: bool,
 }
 
 impl InjectConfig {
@@ -82,6 +85,7 @@ impl InjectConfig {
             log_filter: None,
             max_connections: None,
             otel: None,
+            gen_ai_metrics: false,
         }
     }
 }
@@ -376,6 +380,7 @@ pub fn sidecar_container(has_keys: bool, workload: &Workload, cfg: &InjectConfig
     container["env"] = Value::Array(sidecar_env::env(
         workload,
         cfg.log_filter.as_deref(),
+        cfg.gen_ai_metrics,
         cfg.otel.as_ref(),
     ));
     container
@@ -542,6 +547,7 @@ mod tests {
             log_filter: None,
             max_connections: Some(2000),
             otel: None,
+            gen_ai_metrics: false,
         }
     }
 

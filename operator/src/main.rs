@@ -136,6 +136,10 @@ struct RunArgs {
     /// Extra resource attribute key=value for the sidecars' spans; repeat or comma-separate.
     #[arg(long, value_delimiter = ',', value_parser = sidecar_env::parse_resource_attribute)]
     sidecar_otel_resource_attribute: Vec<(String, String)>,
+    /// Sidecars export the OpenTelemetry GenAI client metrics (gen_ai_client_*) beside
+    /// tailwarden_* (OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    sidecar_gen_ai_metrics: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -175,6 +179,7 @@ fn settings(args: RunArgs) -> anyhow::Result<Settings> {
     inject.resources = resources;
     inject.log_filter = args.sidecar_log_level;
     inject.max_connections = args.sidecar_max_connections;
+    inject.gen_ai_metrics = args.sidecar_gen_ai_metrics;
     if let Some(endpoint) = args.sidecar_otel_endpoint.filter(|e| !e.trim().is_empty()) {
         let protocol = match args.sidecar_otel_protocol {
             OtlpProtocolArg::Grpc => OtlpProtocol::Grpc,

@@ -201,10 +201,18 @@ fn value(name: &str, value: impl Into<String>) -> Value {
     json!({ "name": name, "value": value.into() })
 }
 
+/// `OTEL_SEMCONV_STABILITY_OPT_IN` value that turns on the GenAI conventions' metrics.
+pub const GEN_AI_OPT_IN: &str = "gen_ai_latest_experimental";
+
 /// The sidecar's environment: the identity variables (downward API first, so the later ones
-/// can refer to them as `$(TAILWARDEN_POD_NAME)`), the log filter, and the `OTEL_*` variables
-/// when `otel` is set.
-pub fn env(workload: &Workload, log_filter: Option<&str>, otel: Option<&OtelConfig>) -> Vec<Value> {
+/// can refer to them as `$(TAILWARDEN_POD_NAME)`), the log filter, the GenAI metrics opt-in,
+/// and the `OTEL_*` variables when `otel` is set.
+pub fn env(
+    workload: &Workload,
+    log_filter: Option<&str>,
+    gen_ai_metrics: bool,
+    otel: Option<&OtelConfig>,
+) -> Vec<Value> {
     let mut env = vec![
         field(POD_NAMESPACE_ENV, "metadata.namespace"),
         field(POD_NAME_ENV, "metadata.name"),
@@ -216,6 +224,9 @@ pub fn env(workload: &Workload, log_filter: Option<&str>, otel: Option<&OtelConf
     ];
     if let Some(filter) = log_filter {
         env.push(value("TAILWARDEN_LOG", filter));
+    }
+    if gen_ai_metrics {
+        env.push(value("OTEL_SEMCONV_STABILITY_OPT_IN", GEN_AI_OPT_IN));
     }
     let Some(otel) = otel else {
         return env;
@@ -355,7 +366,7 @@ mod tests {
 
     #[test]
     fn without_tracing_the_sidecar_gets_only_its_identity() {
-        let env = env(&w("Deployment", "web"), None, None);
+        let env = env(&w("Deployment", "web"), None, false, None);
         assert_eq!(
             env,
             vec![
@@ -377,7 +388,7 @@ mod tests {
         otel.headers_secret = Some(("otlp".into(), "headers".into()));
         otel.sampling_ratio = Some("0.25".into());
         otel.resource_attributes = vec![("deployment.environment.name".into(), "prod".into())];
-        let env = env(&w("Deployment", "web"), Some("debug"), Some(&otel));
+        let env = env(&w("Deployment", "web"), Some("debug"), true, Some(&otel));
         let names: Vec<&str> = env.iter().map(|e| e["name"].as_str().unwrap()).collect();
         assert_eq!(
             names[5..],
@@ -385,6 +396,7 @@ mod tests {
                 "TAILWARDEN_WORKLOAD_KIND",
                 "TAILWARDEN_WORKLOAD_NAME",
                 "TAILWARDEN_LOG",
+                "OTEL_SEMCONV_STABILITY_OPT_IN",
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
                 "OTEL_EXPORTER_OTLP_PROTOCOL",
                 "OTEL_EXPORTER_OTLP_HEADERS",
@@ -395,6 +407,10 @@ mod tests {
         );
         let get = |n: &str| env.iter().find(|e| e["name"] == n).unwrap().clone();
         assert_eq!(get("OTEL_EXPORTER_OTLP_PROTOCOL")["value"], "grpc");
+        assert_eq!(
+            get("OTEL_SEMCONV_STABILITY_OPT_IN")["value"],
+            "gen_ai_latest_experimental"
+        );
         assert_eq!(
             get("OTEL_EXPORTER_OTLP_HEADERS")["valueFrom"],
             json!({"secretKeyRef": {"name": "otlp", "key": "headers", "optional": true}})
@@ -427,7 +443,7 @@ mod tests {
     fn a_user_service_name_replaces_the_workload_and_plain_pods_name_no_workload() {
         let mut otel = OtelConfig::new("http://c:4318", OtlpProtocol::HttpProtobuf);
         otel.resource_attributes = vec![("service.name".into(), "checkout".into())];
-        let env = env(&w("Pod", "debug"), None, Some(&otel));
+        let env = env(&w("Pod", "debug"), None, false, Some(&otel));
         let attrs = env.last().unwrap()["value"].as_str().unwrap().to_owned();
         assert!(attrs.ends_with(",service.name=checkout"), "{attrs}");
         assert_eq!(attrs.matches("service.name=").count(), 1, "{attrs}");
