@@ -90,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
     let registries = Registries::new(&metrics);
     let app = match reload::load(&registries, &args.config) {
         Ok((table, hash)) => {
-            let app = Arc::new(App::new(table, metrics, registries));
+            let app = Arc::new(with_identity(App::new(table, metrics, registries)));
             reload::loaded(&app, &args.config, hash);
             app
         }
@@ -98,7 +98,11 @@ async fn main() -> anyhow::Result<()> {
         // up when they arrive. A single file is a person at a terminal: say so and stop.
         Err(reason) if args.config.is_dir() => {
             tracing::error!(error = %reason, "no valid routes yet; not ready until there are");
-            let app = Arc::new(App::new(RouteTable::default(), metrics, registries));
+            let app = Arc::new(with_identity(App::new(
+                RouteTable::default(),
+                metrics,
+                registries,
+            )));
             reload::rejected(&app, &args.config, reason);
             app
         }
@@ -184,4 +188,10 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The app, knowing the workload it serves (the injector's `TAILWARDEN_*` variables).
+fn with_identity(mut app: App) -> App {
+    app.identity = Arc::new(tailwarden_sidecar::record::identity::Identity::from_env());
+    app
 }

@@ -288,3 +288,50 @@ async fn non_stream_usage_and_cost_come_from_the_body() {
     // 234 × 2.50 + 1000 × 1.25 + 56 × 10.00 = 585 + 1250 + 560 = 2395 per million.
     assert_eq!(line["cost"], "0.002395");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_names_the_workload_the_sidecar_serves() {
+    log_lines();
+    let up = upstream(|_, _| ok("x")).await;
+    let identity = tailwarden_sidecar::record::identity::Identity {
+        namespace: Some("shop".into()),
+        pod: Some("web-7d9c-x2k4q".into()),
+        service_account: Some("web".into()),
+        workload_kind: Some("Deployment".into()),
+        workload: Some("web".into()),
+    };
+    let sc = sidecar_with(&route(&[("p", &up.base_url(), 100, 0)], ""), |app| {
+        app.identity = Arc::new(identity)
+    })
+    .await;
+    let (status, _) = send(
+        &sc,
+        "who-1",
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let line = access_line("who-1").await;
+    for (key, want) in [
+        ("namespace", "shop"),
+        ("pod", "web-7d9c-x2k4q"),
+        ("service_account", "web"),
+        ("workload_kind", "Deployment"),
+        ("workload", "web"),
+    ] {
+        assert_eq!(line[key], want, "{key}: {line}");
+    }
+    // Outside a cluster the fields are simply absent.
+    let plain = sidecar(&route(&[("p", &up.base_url(), 100, 0)], "")).await;
+    send(
+        &plain,
+        "who-2",
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await;
+    let line = access_line("who-2").await;
+    assert!(
+        line.get("workload").is_none() && line.get("namespace").is_none(),
+        "{line}"
+    );
+}

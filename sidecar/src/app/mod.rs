@@ -41,6 +41,8 @@ pub struct App {
     /// SSE error event instead of being cut mid-chunk when the process exits.
     pub drain_expired: tokio_util::sync::CancellationToken,
     pub body_timeout: Duration,
+    /// The workload this sidecar serves (empty outside a cluster), for the access log.
+    pub identity: std::sync::Arc<crate::record::identity::Identity>,
     next_id: AtomicU64,
     status: std::sync::Mutex<ConfigStatus>,
 }
@@ -64,6 +66,7 @@ impl App {
             draining: AtomicBool::new(false),
             drain_expired: tokio_util::sync::CancellationToken::new(),
             body_timeout: Duration::from_secs(30),
+            identity: std::sync::Arc::default(),
             next_id: AtomicU64::new(1),
             status: std::sync::Mutex::new(ConfigStatus::default()),
         }

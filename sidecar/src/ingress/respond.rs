@@ -38,6 +38,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
     RequestInfo {
         metrics: ex.app.metrics.clone(),
         operation: ex.endpoint.operation(),
+        identity: ex.app.identity.clone(),
         request_id: ex.request_id.clone(),
         route: ex.route.name.clone(),
         model: body.model.to_string(),
@@ -188,6 +189,7 @@ pub async fn attempted(
                 overhead: Duration| RequestInfo {
         metrics: ex.app.metrics.clone(),
         operation: ex.endpoint.operation(),
+        identity: ex.app.identity.clone(),
         request_id: ex.request_id.clone(),
         route: route.name.clone(),
         model: body.model.to_string(),

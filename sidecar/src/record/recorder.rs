@@ -61,6 +61,8 @@ pub struct RequestInfo {
     pub metrics: Arc<Metrics>,
     /// The GenAI operation (`chat`, `text_completion`, `embeddings`).
     pub operation: &'static str,
+    /// The workload the sidecar serves.
+    pub identity: Arc<super::identity::Identity>,
     pub request_id: String,
     pub route: Arc<str>,
     pub model: String,
@@ -336,6 +338,11 @@ impl Drop for Recorder {
             cost = cost.map(|c| c.normalize().to_string()),
             error_type = error_type,
             cache = i.cache,
+            namespace = i.identity.namespace.as_deref(),
+            pod = i.identity.pod.as_deref(),
+            service_account = i.identity.service_account.as_deref(),
+            workload_kind = i.identity.workload_kind.as_deref(),
+            workload = i.identity.workload.as_deref(),
             "request"
         );
         // The GenAI client metrics describe calls to a provider: not cache hits or requests
