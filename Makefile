@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e operator-scale sdk sdk-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test
+.PHONY: all build test unit e2e operator-scale sdk sdk-deps pyupstream-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test battery
 
 all: build
 
@@ -14,7 +14,7 @@ build:
 ## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk observability-test fuzz-smoke
 
-unit: tools sdk-deps system-deps
+unit: tools sdk-deps pyupstream-deps system-deps
 	@# Jaeger v2 (tests/traces_jaeger.rs) builds in the background at the lowest CPU priority,
 	@# on what cargo leaves idle; the test waits on the build's lock. A failed background
 	@# build is redone, with its errors, by the test. Log: .cache/jaeger-build.log.
@@ -58,6 +58,15 @@ sdk: sdk-deps
 
 sdk-deps: $(CACHE)/venv/.installed e2e/sdk/node_modules/.installed
 
+## pyupstream-deps: aiohttp (pinned) for the battery's Python upstream, e2e/pyupstream/sim.py.
+pyupstream-deps: $(CACHE)/pyupstream/.installed
+
+$(CACHE)/pyupstream/.installed: e2e/pyupstream/requirements.txt
+	python3 -m venv $(CACHE)/pyupstream
+	$(CACHE)/pyupstream/bin/pip install --quiet --disable-pip-version-check -r e2e/pyupstream/requirements.txt
+	$(CACHE)/pyupstream/bin/python e2e/pyupstream/sim.py --self-test
+	touch $@
+
 $(CACHE)/venv/.installed: e2e/sdk/requirements.txt
 	python3 -m venv $(CACHE)/venv
 	$(CACHE)/venv/bin/pip install --quiet --disable-pip-version-check -r e2e/sdk/requirements.txt
@@ -99,11 +108,19 @@ demo:
 	$(TARGET_DIR)/release/tailwarden-demo $(DEMO_ARGS)
 
 ## bench: tailwarden-sidecar's overhead next to nginx, LiteLLM and Portkey (installed pinned
-## into .cache/ by bench-peers), plus the flaky/brownout tail cut; writes docs/benchmarks.md.
-## About 15 minutes on 2 cores after the build. Not part of `make test`.
-bench: bench-peers
+## into .cache/ by bench-peers), the flaky/brownout tail cut, and the battery (direct /
+## sidecar / oracle limit on every profile × topology, hyper and aiohttp upstreams, the
+## never-worse verdict per cell); writes docs/benchmarks.md. About 45 minutes on 2 cores after
+## the build (the battery is 30 of them). Not part of `make test`.
+bench: bench-peers pyupstream-deps
 	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
 	$(TARGET_DIR)/release/tailwarden-benchmark --cache $(CACHE) $(BENCH_ARGS)
+
+## battery: only the battery, printed (no docs written). Cells, rate and length through
+## BATTERY_ARGS, e.g. make battery BATTERY_ARGS='--cells independent/one/hyper --duration 20s'.
+battery: pyupstream-deps
+	$(CARGO) build --release -p tailwarden-sidecar -p tailwarden-e2e
+	$(TARGET_DIR)/release/tailwarden-battery --python $(CACHE)/pyupstream/bin/python $(BATTERY_ARGS)
 
 ## bench-peers: install the peer gateways for `make bench` (pinned, cached, idempotent).
 bench-peers:

@@ -8,7 +8,12 @@
 //! * [`demo`] — `tailwarden-demo` (`make demo`): the same load straight at a flaky simulated
 //!   provider and through the real sidecar, side by side.
 //! * [`benchmark`] — `tailwarden-benchmark` (`make bench`): the sidecar's overhead next to
-//!   nginx, LiteLLM and Portkey, and the tail-cut scenario; writes `docs/benchmarks.md`.
+//!   nginx, LiteLLM and Portkey, the tail-cut scenario and the battery; writes
+//!   `docs/benchmarks.md`.
+//! * [`oracle`] — the best latency and error rate any proxy could reach on a profile at a
+//!   given amplification, evaluated on keyed fates (`sim::fate`); pure.
+//! * [`battery`] — `tailwarden-battery`: direct / sidecar / limit on every profile ×
+//!   topology × upstream stack (hyper and aiohttp), with the never-worse verdict per cell.
 //! * [`controlplane`] — a real kube-apiserver, etcd, controller-manager, scheduler and kwok
 //!   on loopback for the operator and end-to-end tests.
 //! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax the command lines share.
@@ -19,6 +24,7 @@
 //! The binaries in `src/bin` are thin wrappers; everything is a library so tests and the
 //! demo can run the tools in-process.
 
+pub mod battery;
 pub mod bench;
 pub mod benchmark;
 pub mod controlplane;
@@ -26,6 +32,7 @@ pub mod demo;
 pub mod duration;
 pub mod fetch;
 pub mod machine;
+pub mod oracle;
 pub mod proc;
 pub mod sidecar;
 pub mod sim;

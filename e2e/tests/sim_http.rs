@@ -389,6 +389,8 @@ async fn brownout_windows_raise_errors() {
             every_s: None,
             latency_multiplier: Some(2.0),
             error_percent: Some(100.0),
+            rate_limit_percent: None,
+            retry_after_seconds: None,
         }],
         ..Profile::default()
     };

@@ -20,8 +20,8 @@ use http::Uri;
 use http::header::{HeaderName, HeaderValue};
 
 pub use report::{
-    ErrorCounts, HIST_MAX_US, LoadMode, Percentiles, Report, RequestCounts, UpstreamStats,
-    new_histogram, render_side_by_side, round3,
+    ErrorCounts, HIST_MAX_US, LoadMode, Percentiles, Report, RequestCounts, RequestRecord,
+    UpstreamStats, new_histogram, render_side_by_side, round3,
 };
 pub use runner::{run, run_until};
 pub use sse::{SseEvent, SseParser};
@@ -92,6 +92,12 @@ pub struct BenchConfig {
     pub prompt: String,
     /// Print a progress line to stderr.
     pub progress: bool,
+    /// When set, request `i` of the schedule carries `x-request-id: {prefix}{i}`, so an
+    /// upstream with keyed fates gives it the same fate in every run (see `sim::fate`).
+    pub request_ids: Option<String>,
+    /// Keep one [`RequestRecord`] per measured request in the report (for paired
+    /// comparisons of two runs, request by request).
+    pub record_requests: bool,
 }
 
 impl BenchConfig {
@@ -110,6 +116,8 @@ impl BenchConfig {
             timeout: Duration::from_secs(60),
             prompt: "Say hello in one short sentence.".to_owned(),
             progress: false,
+            request_ids: None,
+            record_requests: false,
         }
     }
 
@@ -149,6 +157,13 @@ impl BenchConfig {
             if HeaderName::from_bytes(n.as_bytes()).is_err() || HeaderValue::from_str(v).is_err() {
                 return Err(BenchError::InvalidHeader(format!("{n}: {v}")));
             }
+        }
+        if let Some(prefix) = &self.request_ids
+            && HeaderValue::from_str(&format!("{prefix}0")).is_err()
+        {
+            return Err(BenchError::InvalidHeader(format!(
+                "x-request-id: {prefix}0"
+            )));
         }
         Target::parse(&self.url)
     }

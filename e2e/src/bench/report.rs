@@ -176,6 +176,28 @@ pub struct Report {
     pub completion_tokens: u64,
     /// Sidecar response headers.
     pub upstream: UpstreamStats,
+    /// One record per measured request, in schedule order (only with `record_requests`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<RequestRecord>,
+}
+
+/// What happened to one request, for comparing two runs request by request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// Position in the schedule (the `i` of `x-request-id: {prefix}{i}`).
+    pub index: u64,
+    /// Whether it succeeded.
+    pub ok: bool,
+    /// Scheduled start to last byte (to the failure for errors), ms.
+    pub latency_ms: f64,
+    /// Scheduled start to first content, ms (streams).
+    pub ttft_ms: Option<f64>,
+    /// Error class of a failure (`5xx`, `429`, `reset`, `timeout`, ...).
+    pub error: Option<String>,
+    /// `x-tailwarden-attempts` of the response.
+    pub attempts: Option<u64>,
+    /// `x-tailwarden-provider` of the response.
+    pub provider: Option<String>,
 }
 
 fn fmt_opt(v: Option<f64>) -> String {

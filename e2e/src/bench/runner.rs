@@ -26,7 +26,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::report::{
-    ErrorCounts, LoadMode, Percentiles, Report, RequestCounts, UpstreamStats, new_histogram, round3,
+    ErrorCounts, LoadMode, Percentiles, Report, RequestCounts, RequestRecord, UpstreamStats,
+    new_histogram, round3,
 };
 use super::sse::{SseEvent, SseParser};
 use super::{BenchConfig, BenchError, Target};
@@ -62,11 +63,28 @@ struct Success {
     completion_tokens: u64,
 }
 
+impl ErrorClass {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::Timeout => "timeout",
+            Self::Http4xx => "4xx",
+            Self::Http429 => "429",
+            Self::Http5xx => "5xx",
+            Self::Reset => "reset",
+            Self::BadResponse => "bad_response",
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Sample {
+    index: u64,
     measured: bool,
     late: bool,
     result: Result<Success, ErrorClass>,
+    /// Scheduled start to the end (success or failure).
+    elapsed_us: u64,
     attempts: Option<u64>,
     provider: Option<String>,
 }
@@ -80,6 +98,7 @@ struct Shared {
     body: Bytes,
     stream: bool,
     timeout: Duration,
+    request_ids: Option<String>,
     tx: mpsc::UnboundedSender<Sample>,
     /// Shared with the collector (which must not hold `tx`, or the channel never closes).
     sent: Arc<AtomicU64>,
@@ -138,6 +157,7 @@ pub async fn run_until(
         body: Bytes::from(body.to_string()),
         stream: cfg.stream,
         timeout: cfg.timeout,
+        request_ids: cfg.request_ids.clone(),
         tx,
         sent: sent.clone(),
     });
@@ -146,7 +166,7 @@ pub async fn run_until(
     let measure_from = start + cfg.warmup;
     let end = measure_from + cfg.duration;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let collector = tokio::spawn(collect(rx, sent, start, cfg.progress));
+    let collector = tokio::spawn(collect(rx, sent, start, cfg.progress, cfg.record_requests));
 
     let mut tasks = JoinSet::new();
     let mode;
@@ -287,7 +307,7 @@ async fn open_loop(
         let late = waited || Instant::now().saturating_duration_since(sched) > LATE_AFTER;
         let shared = shared.clone();
         tasks.spawn(async move {
-            let sample = one_request(&shared, sched, sched >= measure_from, late).await;
+            let sample = one_request(&shared, i, sched, sched >= measure_from, late).await;
             drop(permit);
             let _ = shared.tx.send(sample);
         });
@@ -305,16 +325,19 @@ async fn closed_loop(
     end: Instant,
     stop: watch::Receiver<bool>,
 ) {
+    let next = Arc::new(AtomicU64::new(0));
     for _ in 0..workers {
         let shared = shared.clone();
         let stop = stop.clone();
+        let next = next.clone();
         tasks.spawn(async move {
             loop {
                 let now = Instant::now();
                 if now >= end || *stop.borrow() {
                     break;
                 }
-                let sample = one_request(&shared, now, now >= measure_from, false).await;
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let sample = one_request(&shared, i, now, now >= measure_from, false).await;
                 let _ = shared.tx.send(sample);
             }
         });
@@ -364,23 +387,33 @@ fn elapsed_us(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-/// Sends one request and measures it from `sched`.
-async fn one_request(shared: &Shared, sched: Instant, measured: bool, late: bool) -> Sample {
+/// Sends request `index` of the schedule and measures it from `sched`.
+async fn one_request(
+    shared: &Shared,
+    index: u64,
+    sched: Instant,
+    measured: bool,
+    late: bool,
+) -> Sample {
     shared.sent.fetch_add(1, Ordering::Relaxed);
     let mut sample = Sample {
+        index,
         measured,
         late,
         result: Err(ErrorClass::BadResponse),
+        elapsed_us: 0,
         attempts: None,
         provider: None,
     };
-    let r = tokio::time::timeout(shared.timeout, exchange(shared, sched, &mut sample)).await;
+    let r = tokio::time::timeout(shared.timeout, exchange(shared, index, sched, &mut sample)).await;
     sample.result = r.unwrap_or(Err(ErrorClass::Timeout));
+    sample.elapsed_us = elapsed_us(sched);
     sample
 }
 
 async fn exchange(
     shared: &Shared,
+    index: u64,
     sched: Instant,
     sample: &mut Sample,
 ) -> Result<Success, ErrorClass> {
@@ -388,6 +421,11 @@ async fn exchange(
         .body(Full::new(shared.body.clone()))
         .map_err(|_| ErrorClass::BadResponse)?;
     *req.headers_mut() = shared.headers.clone();
+    if let Some(prefix) = &shared.request_ids
+        && let Ok(v) = HeaderValue::from_str(&format!("{prefix}{index}"))
+    {
+        req.headers_mut().insert("x-request-id", v);
+    }
     let resp = shared.client.request(req).await.map_err(|e| {
         if e.is_connect() {
             ErrorClass::Connect
@@ -500,6 +538,8 @@ struct Collected {
     /// Done (measured or not), for the progress line.
     done_all: u64,
     errors_all: u64,
+    /// Per-request records, when asked for.
+    records: Option<Vec<RequestRecord>>,
 }
 
 impl Default for Collected {
@@ -514,6 +554,7 @@ impl Default for Collected {
             completion_tokens: 0,
             done_all: 0,
             errors_all: 0,
+            records: None,
         }
     }
 }
@@ -530,6 +571,21 @@ impl Collected {
         self.counts.sent += 1;
         if s.late {
             self.counts.late += 1;
+        }
+        if let Some(records) = &mut self.records {
+            let ms = |us: u64| us as f64 / 1000.0;
+            records.push(RequestRecord {
+                index: s.index,
+                ok: s.result.is_ok(),
+                latency_ms: match &s.result {
+                    Ok(ok) => ms(ok.total_us),
+                    Err(_) => ms(s.elapsed_us),
+                },
+                ttft_ms: s.result.as_ref().ok().and_then(|ok| ok.ttft_us).map(ms),
+                error: s.result.as_ref().err().map(|e| e.label().to_owned()),
+                attempts: s.attempts,
+                provider: s.provider.clone(),
+            });
         }
         if let Some(a) = s.attempts {
             self.upstream.responses_with_attempts += 1;
@@ -578,6 +634,8 @@ impl Collected {
         // Requests aborted after the grace period were started but never reported.
         self.counts.sent += unfinished;
         let finished = self.counts.ok + self.counts.errors;
+        let mut records = self.records.take().unwrap_or_default();
+        records.sort_by_key(|r| r.index);
         self.upstream.amplification = (self.upstream.responses_with_attempts > 0).then(|| {
             round3(
                 self.upstream.attempts_total as f64 / self.upstream.responses_with_attempts as f64,
@@ -610,6 +668,7 @@ impl Collected {
             inter_token_ms: Percentiles::from_histogram(&self.itl),
             completion_tokens: self.completion_tokens,
             upstream: self.upstream,
+            records,
         }
     }
 }
@@ -620,11 +679,15 @@ async fn collect(
     sent: Arc<AtomicU64>,
     start: Instant,
     progress: bool,
+    record: bool,
 ) -> Collected {
     let tty = std::io::stderr().is_terminal();
     let mut tick = tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut c = Collected::default();
+    let mut c = Collected {
+        records: record.then(Vec::new),
+        ..Collected::default()
+    };
     let mut printed_tty = false;
     let mut ticks = 0u64;
     loop {

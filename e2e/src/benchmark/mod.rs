@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
+use crate::battery::{BatteryOptions, BatteryResult};
 use crate::bench::{self, BenchConfig, Report};
 use crate::demo::{self, DemoOptions, DemoOutcome, NamedProfile};
 use crate::machine::Machine;
@@ -98,6 +99,9 @@ pub struct BenchmarkOptions {
     pub tailcut_brownout: Duration,
     /// Seed of the tail-cut simulators.
     pub seed: u64,
+    /// The battery (direct / sidecar / limit on every profile × topology); `None` skips it.
+    /// Its `workdir` is taken under the benchmark's.
+    pub battery: Option<BatteryOptions>,
     /// Progress on stderr.
     pub progress: bool,
 }
@@ -209,6 +213,9 @@ pub struct BenchmarkResult {
     pub targets: Vec<TargetResult>,
     /// Tail-cut scenarios.
     pub tailcut: Vec<TailCut>,
+    /// The battery, when it ran.
+    #[serde(default)]
+    pub battery: Option<BatteryResult>,
     /// Interrupted by a signal.
     pub interrupted: bool,
     /// Wall-clock time of the whole run, seconds.
@@ -419,6 +426,27 @@ pub fn run(
         }
     }
 
+    let battery = match &opts.battery {
+        Some(b) if !stopped() && opts.targets.contains(&TargetKind::Sidecar) => {
+            let b = BatteryOptions {
+                workdir: opts.workdir.join("battery"),
+                progress: opts.progress,
+                ..b.clone()
+            };
+            say(
+                opts,
+                &format!(
+                    "== battery: {} cells, {} req/s for {} s per side",
+                    b.cells.len(),
+                    b.rate,
+                    b.duration.as_secs_f64()
+                ),
+            );
+            Some(crate::battery::run(&b, rt, stop))
+        }
+        _ => None,
+    };
+
     // Stop (and reap) the simulators first, so their CPU time counts as ours.
     drop(instant_sim);
     drop(paced_sim);
@@ -439,6 +467,7 @@ pub fn run(
         timeout_s: opts.timeout.as_secs_f64(),
         targets,
         tailcut,
+        battery,
         interrupted: stopped(),
         wall_s: started.elapsed().as_secs_f64(),
         load_average: (load_before, crate::machine::load_average()),

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use tailwarden_e2e::battery::{self, BatteryOptions, CellSpec};
 use tailwarden_e2e::benchmark::{self, BenchmarkOptions, TargetKind};
 use tailwarden_e2e::duration::parse_duration;
 use tailwarden_e2e::sidecar;
@@ -73,6 +74,21 @@ struct Args {
     /// Seed of the tail-cut simulators.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Skip the battery (direct / sidecar / limit on every profile × topology).
+    #[arg(long)]
+    skip_battery: bool,
+    /// Battery cells as PROFILE/TOPOLOGY/UPSTREAM, comma-separated (default: all of them).
+    #[arg(long, value_delimiter = ',')]
+    battery_cells: Vec<String>,
+    /// Rate of each side of a battery cell.
+    #[arg(long, default_value_t = 30.0)]
+    battery_rate: f64,
+    /// Schedule length of each battery cell.
+    #[arg(long, value_parser = parse_duration, default_value = "40s")]
+    battery_duration: Duration,
+    /// Python with aiohttp for the battery's aiohttp cells (default: CACHE/pyupstream/bin/python).
+    #[arg(long)]
+    python: Option<PathBuf>,
     /// The tailwarden-sidecar binary (default: next to this executable).
     #[arg(long)]
     sidecar: Option<PathBuf>,
@@ -118,7 +134,7 @@ fn main() -> ExitCode {
     if args
         .rates
         .iter()
-        .chain([&args.stream_rate, &args.tailcut_rate])
+        .chain([&args.stream_rate, &args.tailcut_rate, &args.battery_rate])
         .any(|r| !(r.is_finite() && *r > 0.0))
     {
         return usage("every rate must be a number > 0");
@@ -135,6 +151,36 @@ fn main() -> ExitCode {
         Some(p) if p.is_file() => p,
         _ => return usage("cannot find the tailwarden-sim binary: pass --sim PATH"),
     };
+    let mut cells = Vec::new();
+    for c in &args.battery_cells {
+        match CellSpec::parse(c) {
+            Some(s) => cells.push(s),
+            None => {
+                return usage(format!(
+                    "unknown battery cell '{c}' (PROFILE/TOPOLOGY/UPSTREAM)"
+                ));
+            }
+        }
+    }
+    if cells.is_empty() {
+        cells = battery::default_cells();
+    }
+    let python = args
+        .python
+        .clone()
+        .unwrap_or_else(|| args.cache.join("pyupstream/bin/python"));
+    let battery = (!args.skip_battery).then(|| BatteryOptions {
+        sidecar: sidecar.clone(),
+        python: python.is_file().then_some(python),
+        script: PathBuf::from("e2e/pyupstream/sim.py"),
+        workdir: args.workdir.join("battery"),
+        rate: args.battery_rate,
+        duration: args.battery_duration,
+        seed: 7,
+        client_timeout: Duration::from_secs(60),
+        cells,
+        progress: !args.quiet,
+    });
     let opts = BenchmarkOptions {
         cache: args.cache.clone(),
         workdir: args.workdir.clone(),
@@ -154,6 +200,7 @@ fn main() -> ExitCode {
         tailcut_flaky: args.tailcut_flaky,
         tailcut_brownout: args.tailcut_brownout,
         seed: args.seed,
+        battery,
         progress: !args.quiet,
     };
     match run(&args, &opts) {

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::Parser;
-use tailwarden_e2e::sim::{Profile, SimServer};
+use tailwarden_e2e::sim::{FateLedger, Profile, SimOptions, SimServer};
 
 /// Fake OpenAI-compatible LLM provider with latency and fault profiles.
 #[derive(Debug, Parser)]
@@ -26,6 +26,11 @@ struct Args {
     /// Worker threads (default: one per CPU).
     #[arg(long)]
     threads: Option<usize>,
+    /// Keyed fates: a request with `x-request-id: K` meets the fate of (seed, K, attempt
+    /// number), attempts counted per id, so two runs of the same ids can be compared request
+    /// by request (see `tailwarden_e2e::sim::fate`).
+    #[arg(long)]
+    keyed_fates: bool,
 }
 
 fn main() -> ExitCode {
@@ -59,7 +64,11 @@ fn run(args: Args, profile: Profile) -> anyhow::Result<()> {
     }
     let rt = rt.build().context("cannot start the tokio runtime")?;
     rt.block_on(async move {
-        let server = SimServer::bind(args.listen, &profile, args.seed).await?;
+        let options = SimOptions {
+            ledger: args.keyed_fates.then(FateLedger::new),
+            epoch: None,
+        };
+        let server = SimServer::bind_with(args.listen, &profile, args.seed, options).await?;
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", server.local_addr())?;
         out.flush()?;

@@ -59,6 +59,8 @@ pub(crate) enum Gaps {
         rng: Box<SmallRng>,
         multiplier: f64,
     },
+    /// Drawn up front (keyed fates), in order.
+    Planned(std::collections::VecDeque<Duration>),
 }
 
 impl Gaps {
@@ -72,6 +74,7 @@ impl Gaps {
                 rng,
                 multiplier,
             } => ms(sampler.sample(rng.as_mut()) * *multiplier),
+            Self::Planned(left) => left.pop_front().unwrap_or(Duration::ZERO),
         }
     }
 }
@@ -126,6 +129,10 @@ pub(crate) struct StreamBody {
     sleep: Option<Pin<Box<Sleep>>>,
     /// Re-check timer while frozen.
     frozen_tick: Option<Pin<Box<Sleep>>>,
+    /// When the last frame was due: waits are counted from here rather than from when the
+    /// previous frame happened to be written, so timer rounding does not add up over a
+    /// stream (the oracle compares each request with the fate it was drawn).
+    due: tokio::time::Instant,
     guard: RequestGuard,
 }
 
@@ -241,6 +248,7 @@ impl SimBody {
                 pending_error: None,
                 sleep: None,
                 frozen_tick: None,
+                due: tokio::time::Instant::now(),
                 guard,
             })),
         }
@@ -257,6 +265,8 @@ fn poll_stream(s: &mut StreamBody, cx: &mut Context<'_>) -> Poll<FrameResult> {
                 .get_or_insert_with(|| Box::pin(tokio::time::sleep(FROZEN_POLL)));
             ready!(tick.as_mut().poll(cx));
             s.frozen_tick = None;
+            // A thawed stream carries on from now, not with a burst of overdue frames.
+            s.due = tokio::time::Instant::now();
         }
     }
     if let Some(e) = s.pending_error.take() {
@@ -274,7 +284,10 @@ fn poll_stream(s: &mut StreamBody, cx: &mut Context<'_>) -> Poll<FrameResult> {
         }
         match s.step(&mut out) {
             Step::Continue => {}
-            Step::Wait(d) => s.sleep = Some(Box::pin(tokio::time::sleep(d))),
+            Step::Wait(d) => {
+                s.due += d;
+                s.sleep = Some(Box::pin(tokio::time::sleep_until(s.due)));
+            }
             Step::Fail(e) => {
                 if out.is_empty() {
                     return Poll::Ready(Some(Err(e)));

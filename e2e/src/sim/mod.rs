@@ -17,6 +17,7 @@
 //! ```
 
 mod body;
+pub mod fate;
 mod profile;
 mod render;
 mod server;
@@ -24,8 +25,8 @@ mod stats;
 
 pub use body::SimBodyError;
 pub use profile::{
-    BUILTIN_NAMES, Brownout, BrownoutEffect, CompiledProfile, Distribution, Fault, Profile,
-    ProfileError, Sampler,
+    AccountLimit, BUILTIN_NAMES, Brownout, BrownoutEffect, CompiledProfile, Distribution, Fault,
+    Outage, Profile, ProfileError, Sampler,
 };
-pub use server::{ResetConnection, SimError, SimHandle, SimServer};
+pub use server::{FateLedger, ResetConnection, SimError, SimHandle, SimOptions, SimServer};
 pub use stats::StatsSnapshot;

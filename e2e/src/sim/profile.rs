@@ -14,6 +14,8 @@ use rand::distr::{Distribution as _, Uniform};
 use rand_distr::LogNormal;
 use serde::{Deserialize, Serialize};
 
+use super::fate::{Conditions, Quantile, Quantiles};
+
 /// z-score of the 99th percentile of a standard normal: sigma = (ln p99 - ln median) / z99.
 const Z99: f64 = 2.3263;
 
@@ -174,6 +176,25 @@ impl Distribution {
         Self::Constant { ms }
     }
 
+    /// The quantile function keyed fates use (call after [`Distribution::sampler`] validated
+    /// the parameters; invalid ones give a quantile function of zeros).
+    pub fn quantile(&self) -> Quantile {
+        match *self {
+            Self::Constant { ms } => Quantile::Constant(ms),
+            Self::Uniform { min_ms, max_ms } => Quantile::Uniform {
+                min: min_ms,
+                max: max_ms,
+            },
+            Self::Lognormal { median_ms, p99_ms } if median_ms > 0.0 && p99_ms >= median_ms => {
+                Quantile::LogNormal {
+                    mu: median_ms.ln(),
+                    sigma: (p99_ms.ln() - median_ms.ln()) / Z99,
+                }
+            }
+            Self::Lognormal { .. } => Quantile::Constant(0.0),
+        }
+    }
+
     /// Validates the parameters and builds a sampler.
     pub fn sampler(&self) -> Result<Sampler, String> {
         let finite_nonneg = |name: &str, v: f64| {
@@ -263,19 +284,63 @@ pub struct Brownout {
     /// Extra chance (percent) of a 503 inside the window (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_percent: Option<f64>,
+    /// Extra chance (percent) of a 429 inside the window (default 0): a 429 storm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit_percent: Option<f64>,
+    /// `Retry-After` seconds of the window's 429s (default: the profile's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<u64>,
+}
+
+/// A window in which the provider is hard down (every connection closed without a
+/// response), relative to process start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Outage {
+    /// Seconds after start at which the first outage begins.
+    pub start_s: f64,
+    /// Length of each outage in seconds.
+    pub duration_s: f64,
+    /// When set, the outage repeats with this period (seconds, >= durationS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every_s: Option<f64>,
+}
+
+impl Outage {
+    /// Whether the provider is down `elapsed_s` seconds after start.
+    pub fn active_at(&self, elapsed_s: f64) -> bool {
+        window_open(self.start_s, self.duration_s, self.every_s, elapsed_s)
+    }
+}
+
+/// An account-wide request limit in fixed windows counted from process start, the way
+/// providers meter an API key: once `requests` answers were given in the current window,
+/// every request gets a 429 with `x-ratelimit-remaining-requests: 0` and a `Retry-After`
+/// of the time left until the window resets. Rejected requests do not count.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AccountLimit {
+    /// Requests admitted per window.
+    pub requests: u32,
+    /// Window length in seconds.
+    pub window_s: f64,
+}
+
+fn window_open(start_s: f64, duration_s: f64, every_s: Option<f64>, elapsed_s: f64) -> bool {
+    if elapsed_s < start_s {
+        return false;
+    }
+    let since = elapsed_s - start_s;
+    match every_s {
+        Some(every) if every > 0.0 => since % every < duration_s,
+        _ => since < duration_s,
+    }
 }
 
 impl Brownout {
     /// Whether the window is open `elapsed_s` seconds after start.
     pub fn active_at(&self, elapsed_s: f64) -> bool {
-        if elapsed_s < self.start_s {
-            return false;
-        }
-        let since = elapsed_s - self.start_s;
-        match self.every_s {
-            Some(every) if every > 0.0 => since % every < self.duration_s,
-            _ => since < self.duration_s,
-        }
+        window_open(self.start_s, self.duration_s, self.every_s, elapsed_s)
     }
 }
 
@@ -303,6 +368,11 @@ pub struct Profile {
     pub stall_percent: f64,
     /// Degradation windows.
     pub brownouts: Vec<Brownout>,
+    /// Windows in which the provider is hard down.
+    pub outages: Vec<Outage>,
+    /// An account-wide request limit (with `x-ratelimit-*` headers), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub account_limit: Option<AccountLimit>,
     /// Length of embedding vectors unless the request asks for `dimensions`.
     pub embedding_dims: usize,
     /// Models listed by `GET /v1/models`.
@@ -322,6 +392,8 @@ impl Default for Profile {
             drop_mid_stream_percent: 0.0,
             stall_percent: 0.0,
             brownouts: Vec::new(),
+            outages: Vec::new(),
+            account_limit: None,
             embedding_dims: 8,
             models: vec![
                 "gpt-4.1".to_owned(),
@@ -376,6 +448,8 @@ impl Profile {
                     every_s: Some(30.0),
                     latency_multiplier: Some(8.0),
                     error_percent: Some(30.0),
+                    rate_limit_percent: None,
+                    retry_after_seconds: None,
                 }],
                 ..realistic()
             }),
@@ -492,14 +566,56 @@ impl Profile {
             {
                 return Err(at(format!("latencyMultiplier must be > 0, got {m}")));
             }
-            if let Some(p) = b.error_percent
-                && !(p.is_finite() && (0.0..=100.0).contains(&p))
-            {
+            for (name, p) in [
+                ("errorPercent", b.error_percent),
+                ("rateLimitPercent", b.rate_limit_percent),
+            ] {
+                if let Some(p) = p
+                    && !(p.is_finite() && (0.0..=100.0).contains(&p))
+                {
+                    return Err(at(format!("{name} must be between 0 and 100, got {p}")));
+                }
+            }
+            let both = b.error_percent.unwrap_or(0.0) + b.rate_limit_percent.unwrap_or(0.0);
+            if both > 100.0 {
                 return Err(at(format!(
-                    "errorPercent must be between 0 and 100, got {p}"
+                    "errorPercent and rateLimitPercent add up to {both}, more than 100"
                 )));
             }
         }
+        for (i, o) in self.outages.iter().enumerate() {
+            let at = |m: String| invalid(format!("outages[{i}]: {m}"));
+            if !(o.start_s.is_finite() && o.start_s >= 0.0) {
+                return Err(at(format!("startS must be >= 0, got {}", o.start_s)));
+            }
+            if !(o.duration_s.is_finite() && o.duration_s > 0.0) {
+                return Err(at(format!("durationS must be > 0, got {}", o.duration_s)));
+            }
+            if let Some(every) = o.every_s
+                && !(every.is_finite() && every >= o.duration_s)
+            {
+                return Err(at(format!(
+                    "everyS ({every}) must be >= durationS ({})",
+                    o.duration_s
+                )));
+            }
+        }
+        if let Some(a) = &self.account_limit {
+            if a.requests == 0 {
+                return Err(invalid("accountLimit.requests must be >= 1".to_owned()));
+            }
+            if !(a.window_s.is_finite() && a.window_s >= 0.001) {
+                return Err(invalid(format!(
+                    "accountLimit.windowS must be >= 0.001, got {}",
+                    a.window_s
+                )));
+            }
+        }
+        let quantiles = Quantiles {
+            ttft: self.ttft.quantile(),
+            itl: self.itl.quantile(),
+            tokens: self.output_tokens.quantile(),
+        };
         Ok(CompiledProfile {
             ttft,
             itl,
@@ -511,6 +627,9 @@ impl Profile {
             drop: self.drop_mid_stream_percent,
             stall: self.stall_percent,
             brownouts: self.brownouts.clone(),
+            outages: self.outages.clone(),
+            account_limit: self.account_limit.clone(),
+            quantiles,
             embedding_dims: self.embedding_dims,
             models: self.models.clone(),
         })
@@ -580,6 +699,10 @@ pub struct CompiledProfile {
     drop: f64,
     stall: f64,
     brownouts: Vec<Brownout>,
+    outages: Vec<Outage>,
+    /// The account-wide request limit, if any.
+    pub account_limit: Option<AccountLimit>,
+    quantiles: Quantiles,
     /// Default embedding length.
     pub embedding_dims: usize,
     /// Models for `/v1/models`.
@@ -608,17 +731,37 @@ impl CompiledProfile {
         !self.brownouts.is_empty()
     }
 
-    /// Draws the fault for one request. Always consumes exactly two random numbers so the
-    /// rest of the request's random stream does not depend on the outcome.
-    pub fn pick_fault<R: Rng + ?Sized>(&self, rng: &mut R, brownout: &BrownoutEffect) -> Fault {
-        let brown: f64 = rng.random::<f64>() * 100.0;
-        let u: f64 = rng.random::<f64>() * 100.0;
-        if brown < brownout.error_percent {
-            return Fault::Status503;
+    /// Whether anything about this profile depends on the time since start.
+    pub fn has_windows(&self) -> bool {
+        !self.brownouts.is_empty() || !self.outages.is_empty()
+    }
+
+    /// Everything the windows say about `elapsed` after start, for keyed fates.
+    pub fn conditions_at(&self, elapsed: Duration) -> Conditions {
+        let t = elapsed.as_secs_f64();
+        let mut c = Conditions::CALM;
+        for b in self.brownouts.iter().filter(|b| b.active_at(t)) {
+            c.latency_multiplier *= b.latency_multiplier.unwrap_or(1.0);
+            c.error_percent = c.error_percent.max(b.error_percent.unwrap_or(0.0));
+            c.rate_limit_percent = c
+                .rate_limit_percent
+                .max(b.rate_limit_percent.unwrap_or(0.0));
+            c.storm_retry_after = c.storm_retry_after.or(b.retry_after_seconds);
         }
+        c.down = self.outages.iter().any(|o| o.active_at(t));
+        c
+    }
+
+    /// The quantile functions keyed fates sample through.
+    pub fn quantiles(&self) -> &Quantiles {
+        &self.quantiles
+    }
+
+    /// The fault for a uniform number `u` in [0, 100): the profile's percentages laid end to
+    /// end (5xx split evenly between 500 and 503), the rest no fault.
+    pub fn fault_at(&self, u: f64) -> Fault {
         let mut edge = self.error5xx;
         if u < edge {
-            // Split 5xx between the two statuses providers actually send.
             return if u < edge / 2.0 {
                 Fault::Status500
             } else {
@@ -637,6 +780,17 @@ impl CompiledProfile {
             }
         }
         Fault::None
+    }
+
+    /// Draws the fault for one request. Always consumes exactly two random numbers so the
+    /// rest of the request's random stream does not depend on the outcome.
+    pub fn pick_fault<R: Rng + ?Sized>(&self, rng: &mut R, brownout: &BrownoutEffect) -> Fault {
+        let brown: f64 = rng.random::<f64>() * 100.0;
+        let u: f64 = rng.random::<f64>() * 100.0;
+        if brown < brownout.error_percent {
+            return Fault::Status503;
+        }
+        self.fault_at(u)
     }
 }
 
@@ -758,6 +912,8 @@ mod tests {
             every_s: Some(30.0),
             latency_multiplier: Some(8.0),
             error_percent: Some(30.0),
+            rate_limit_percent: None,
+            retry_after_seconds: None,
         };
         assert!(!b.active_at(10.0));
         assert!(b.active_at(31.0));

@@ -30,6 +30,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::body::{Gaps, SimBody, StreamPlan, ms};
+use super::fate::{Conditions, Fate};
 use super::profile::{BrownoutEffect, CompiledProfile, Fault, Profile, ProfileError};
 use super::render::{
     self, Api, StreamRenderer, Usage, completion_json, embeddings_json, error_json, json_string,
@@ -110,6 +111,59 @@ impl Chaos {
     }
 }
 
+/// Attempt numbers per request key, shared by every simulated provider of one upstream group
+/// (see [`super::fate`]): the `k`-th attempt of request `x-request-id: K` that reaches any
+/// of them is attempt `k`, whichever provider it lands on.
+#[derive(Debug, Default)]
+pub struct FateLedger {
+    seen: std::sync::Mutex<std::collections::HashMap<String, (u32, Instant)>>,
+}
+
+/// Keys kept before old ones are forgotten (a key is a client request; its attempts come
+/// within the route's total deadline).
+const LEDGER_KEYS: usize = 200_000;
+const LEDGER_KEEP: Duration = Duration::from_secs(600);
+
+impl FateLedger {
+    /// A new, empty ledger.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Counts one more attempt of `key` and returns its number (1 for the first).
+    pub fn next_attempt(&self, key: &str) -> u32 {
+        let now = Instant::now();
+        let Ok(mut seen) = self.seen.lock() else {
+            return 1;
+        };
+        if seen.len() >= LEDGER_KEYS && !seen.contains_key(key) {
+            seen.retain(|_, (_, at)| now.duration_since(*at) < LEDGER_KEEP);
+        }
+        let entry = seen.entry(key.to_owned()).or_insert((0, now));
+        entry.0 = entry.0.saturating_add(1);
+        entry.1 = now;
+        entry.0
+    }
+}
+
+/// How a simulator is wired beyond its profile and seed.
+#[derive(Debug, Clone, Default)]
+pub struct SimOptions {
+    /// Keyed fates: requests carrying `x-request-id` meet the fate of their attempt number in
+    /// this ledger ([`super::fate`]) instead of a draw from the arrival counter.
+    pub ledger: Option<Arc<FateLedger>>,
+    /// Time zero of the profile's windows and account-limit windows (default: bind time), so
+    /// the simulators of two runs that are compared start their windows together.
+    pub epoch: Option<Instant>,
+}
+
+/// The account-limit window in use: its number since the epoch and the answers given in it.
+#[derive(Debug, Default)]
+struct AccountWindow {
+    index: u64,
+    used: u32,
+}
+
 /// Shared state of one simulator process.
 #[derive(Debug)]
 struct SimState {
@@ -117,15 +171,33 @@ struct SimState {
     seed: u64,
     counter: AtomicU64,
     stats: Arc<Stats>,
-    started: Instant,
+    /// Bind time; the epoch is `base + epoch_ns` (see [`SimHandle::restart_clock`]).
+    base: Instant,
+    epoch_ns: AtomicU64,
     models_body: Bytes,
     chaos: Chaos,
+    ledger: Option<Arc<FateLedger>>,
+    account: std::sync::Mutex<AccountWindow>,
+}
+
+/// The account limit's verdict on one request.
+enum Account {
+    /// No limit configured.
+    Unmetered,
+    /// Admitted: the headers to send with the answer.
+    Admitted {
+        limit: u32,
+        remaining: u32,
+        reset: Duration,
+    },
+    /// Out of requests until `reset`.
+    Exhausted { limit: u32, reset: Duration },
 }
 
 impl SimState {
     fn brownout(&self) -> BrownoutEffect {
         if self.profile.has_brownouts() {
-            self.profile.brownout_at(self.started.elapsed())
+            self.profile.brownout_at(self.elapsed())
         } else {
             BrownoutEffect {
                 latency_multiplier: 1.0,
@@ -138,6 +210,88 @@ impl SimState {
     fn snapshot(&self) -> StatsSnapshot {
         self.stats.snapshot(self.brownout().active)
     }
+
+    /// Time since the epoch (zero before it).
+    fn elapsed(&self) -> Duration {
+        let epoch = self.base + Duration::from_nanos(self.epoch_ns.load(Ordering::Relaxed));
+        epoch.elapsed()
+    }
+
+    fn conditions(&self) -> Conditions {
+        if self.profile.has_windows() {
+            self.profile.conditions_at(self.elapsed())
+        } else {
+            Conditions::CALM
+        }
+    }
+
+    /// Meters one request against the account limit (rejected requests use nothing).
+    fn meter(&self) -> Account {
+        let Some(limit) = &self.profile.account_limit else {
+            return Account::Unmetered;
+        };
+        let window = limit.window_s;
+        let t = self.elapsed().as_secs_f64();
+        let index = (t / window).floor() as u64;
+        let reset = Duration::from_secs_f64(((index + 1) as f64 * window - t).max(0.0));
+        let Ok(mut w) = self.account.lock() else {
+            return Account::Unmetered;
+        };
+        if w.index != index {
+            *w = AccountWindow { index, used: 0 };
+        }
+        if w.used >= limit.requests {
+            return Account::Exhausted {
+                limit: limit.requests,
+                reset,
+            };
+        }
+        w.used += 1;
+        Account::Admitted {
+            limit: limit.requests,
+            remaining: limit.requests - w.used,
+            reset,
+        }
+    }
+}
+
+/// OpenAI's `x-ratelimit-reset-*` format: `250ms`, `1.5s`, `1m30s`.
+fn reset_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        let text = format!("{:.3}", d.as_secs_f64());
+        format!("{}s", text.trim_end_matches('0').trim_end_matches('.'))
+    } else {
+        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+    }
+}
+
+fn ratelimit_headers(h: &mut HeaderMap, limit: u32, remaining: u32, reset: Duration) {
+    h.insert("x-ratelimit-limit-requests", HeaderValue::from(limit));
+    h.insert(
+        "x-ratelimit-remaining-requests",
+        HeaderValue::from(remaining),
+    );
+    if let Ok(v) = HeaderValue::from_str(&reset_text(reset)) {
+        h.insert("x-ratelimit-reset-requests", v);
+    }
+}
+
+/// The 429 of an exhausted account: `Retry-After` is the time to the reset, rounded up.
+fn account_exhausted(limit: u32, reset: Duration) -> Response<SimBody> {
+    let mut resp = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Rate limit reached for requests per window on this account. Please try again after the reset.",
+        "requests",
+        Some("rate_limit_exceeded"),
+    );
+    let h = resp.headers_mut();
+    let secs = reset.as_secs() + u64::from(reset.subsec_nanos() > 0);
+    h.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    ratelimit_headers(h, limit, 0, reset);
+    resp
 }
 
 /// A bound, not yet running simulator.
@@ -181,6 +335,18 @@ impl SimHandle {
             .store(fault_code(fault), Ordering::Relaxed);
     }
 
+    /// Restarts the clock of the profile's windows and account limit at `epoch` (not before
+    /// the bind): two runs that are compared start their windows with their loads.
+    pub fn restart_clock(&self, epoch: Instant) {
+        let ns = epoch.saturating_duration_since(self.state.base).as_nanos();
+        self.state
+            .epoch_ns
+            .store(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
+        if let Ok(mut w) = self.state.account.lock() {
+            *w = AccountWindow::default();
+        }
+    }
+
     /// Freezes (`true`) or thaws every streamed response: while frozen, streams in flight
     /// stop where they are and new ones send their headers and nothing else, and
     /// non-streamed responses that become ready are sent as headers only, then silence (as
@@ -199,11 +365,21 @@ impl Drop for SimHandle {
 impl SimServer {
     /// Validates the profile and binds `addr` (port 0 picks a free port).
     pub async fn bind(addr: SocketAddr, profile: &Profile, seed: u64) -> Result<Self, SimError> {
+        Self::bind_with(addr, profile, seed, SimOptions::default()).await
+    }
+
+    /// [`SimServer::bind`] with keyed fates and/or a chosen epoch.
+    pub async fn bind_with(
+        addr: SocketAddr,
+        profile: &Profile,
+        seed: u64,
+        options: SimOptions,
+    ) -> Result<Self, SimError> {
         let compiled = profile.compile("(in-memory profile)")?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| SimError::Bind { addr, source })?;
-        let started = Instant::now();
+        let started = options.epoch.unwrap_or_else(Instant::now);
         let models_body = render::models_json(&compiled.models);
         Ok(Self {
             listener,
@@ -212,9 +388,12 @@ impl SimServer {
                 seed,
                 counter: AtomicU64::new(0),
                 stats: Arc::new(Stats::new(started)),
-                started,
+                base: started,
+                epoch_ns: AtomicU64::new(0),
                 models_body,
                 chaos: Chaos::default(),
+                ledger: options.ledger,
+                account: std::sync::Mutex::new(AccountWindow::default()),
             }),
         })
     }
@@ -577,6 +756,12 @@ async fn generate(
             ));
         }
     };
+    // Keyed fates: the attempt is numbered when it arrives, before anything can fail.
+    let keyed = state.ledger.as_ref().and_then(|ledger| {
+        let key = req.headers().get("x-request-id")?.to_str().ok()?.to_owned();
+        let attempt = ledger.next_attempt(&key);
+        Some((key, attempt))
+    });
     let body = match read_body(req).await {
         Ok(b) => b,
         Err(Some(resp)) => {
@@ -623,40 +808,87 @@ async fn generate(
         },
     };
 
-    let brownout = state.brownout();
     let profile = &state.profile;
-    let drawn = profile.pick_fault(&mut rng, &brownout);
-    let fault = state.chaos.fault().or(ov.fault).unwrap_or(drawn);
-    if let Some(resp) = fault_response(state, fault, &ov, &mut guard) {
-        return resp;
-    }
-
-    let sampled = profile.tokens.sample(&mut rng).round().max(1.0) as u64;
-    let wanted = ov.tokens.unwrap_or(sampled);
     let cap = parsed
         .max_completion_tokens
         .or(parsed.max_tokens)
         .map(|c| c.max(1));
-    let (tokens, finish_reason) = match cap {
-        Some(c) if wanted > c => (c, "length"),
-        _ => (wanted, "stop"),
+    let cond = state.conditions();
+    let fate = keyed
+        .as_ref()
+        .map(|(key, attempt)| Fate::draw(profile, state.seed, key, *attempt, &cond, cap));
+    let account = state.meter();
+    let drawn = match &fate {
+        Some(f) => f.fault,
+        None if cond.down => Fault::Reset,
+        None => profile.pick_fault(&mut rng, &state.brownout()),
     };
-    let tokens = usize::try_from(tokens).unwrap_or(usize::MAX);
-    let mult = brownout.latency_multiplier;
-    let ttft = match ov.ttft_ms {
-        Some(v) => Duration::from_millis(v),
-        None if profile.ttft.is_zero() => Duration::ZERO,
-        None => ms(profile.ttft.sample(&mut rng) * mult),
+    let fault = state.chaos.fault().or(ov.fault).unwrap_or(drawn);
+    if let Account::Exhausted { limit, reset } = account {
+        guard.finish(Some(Outcome::Fault429));
+        return Ok(account_exhausted(limit, reset));
+    }
+    let ov = Overrides {
+        retry_after: ov.retry_after.or(fate.as_ref().map(|f| f.retry_after_s)),
+        ..ov
     };
-    let mut gaps = match ov.itl_ms {
-        Some(0) => Gaps::Zero,
-        Some(v) => Gaps::Fixed(Duration::from_millis(v)),
-        None if profile.itl.is_zero() => Gaps::Zero,
-        None => Gaps::Sampled {
-            sampler: profile.itl.clone(),
-            rng: Box::new(SmallRng::seed_from_u64(rng.random())),
-            multiplier: mult,
-        },
+    if let Some(mut resp) = fault_response(state, fault, &ov, &mut guard) {
+        if let (
+            Account::Admitted {
+                limit,
+                remaining,
+                reset,
+            },
+            Ok(r),
+        ) = (&account, &mut resp)
+        {
+            ratelimit_headers(r.headers_mut(), *limit, *remaining, *reset);
+        }
+        return resp;
+    }
+
+    let mult = cond.latency_multiplier;
+    let (tokens, finish_reason, ttft, mut gaps, drop_at) = match fate {
+        Some(f) => {
+            let gaps = match ov.itl_ms {
+                Some(0) => Gaps::Zero,
+                Some(v) => Gaps::Fixed(Duration::from_millis(v)),
+                None => Gaps::Planned(f.gaps_ms.iter().map(|g| ms(*g)).collect()),
+            };
+            let ttft = ov
+                .ttft_ms
+                .map_or_else(|| ms(f.ttft_ms), Duration::from_millis);
+            let (tokens, finish) = match ov.tokens {
+                Some(t) => (usize::try_from(t).unwrap_or(usize::MAX), "stop"),
+                None => (f.tokens, if f.capped { "length" } else { "stop" }),
+            };
+            (tokens, finish, ttft, gaps, Some(f.drop_after))
+        }
+        None => {
+            let sampled = profile.tokens.sample(&mut rng).round().max(1.0) as u64;
+            let wanted = ov.tokens.unwrap_or(sampled);
+            let (tokens, finish_reason) = match cap {
+                Some(c) if wanted > c => (c, "length"),
+                _ => (wanted, "stop"),
+            };
+            let tokens = usize::try_from(tokens).unwrap_or(usize::MAX);
+            let ttft = match ov.ttft_ms {
+                Some(v) => Duration::from_millis(v),
+                None if profile.ttft.is_zero() => Duration::ZERO,
+                None => ms(profile.ttft.sample(&mut rng) * mult),
+            };
+            let gaps = match ov.itl_ms {
+                Some(0) => Gaps::Zero,
+                Some(v) => Gaps::Fixed(Duration::from_millis(v)),
+                None if profile.itl.is_zero() => Gaps::Zero,
+                None => Gaps::Sampled {
+                    sampler: profile.itl.clone(),
+                    rng: Box::new(SmallRng::seed_from_u64(rng.random())),
+                    multiplier: mult,
+                },
+            };
+            (tokens, finish_reason, ttft, gaps, None)
+        }
     };
     let word_offset = rng.random_range(0..render::WORDS.len());
     let usage = Usage {
@@ -684,10 +916,10 @@ async fn generate(
         }
         let drop_after = (fault == Fault::Drop).then(|| {
             state.stats.record_outcome(Outcome::FaultDrop);
-            if tokens >= 2 {
-                rng.random_range(1..tokens)
-            } else {
-                1
+            match drop_at {
+                Some(at) => at.min(tokens.saturating_sub(1)).max(1),
+                None if tokens >= 2 => rng.random_range(1..tokens),
+                None => 1,
             }
         });
         let plan = StreamPlan {
@@ -706,6 +938,7 @@ async fn generate(
         let h = resp.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        finish_headers(h, &account, keyed.as_ref());
         return Ok(resp);
     }
 
@@ -749,7 +982,25 @@ async fn generate(
         return Ok(resp);
     }
     guard.finish(Some(Outcome::Ok));
-    Ok(json_response(StatusCode::OK, body))
+    let mut resp = json_response(StatusCode::OK, body);
+    finish_headers(resp.headers_mut(), &account, keyed.as_ref());
+    Ok(resp)
+}
+
+/// The account's `x-ratelimit-*` headers and, for keyed fates, the attempt number the
+/// request was given (`x-sim-attempt`, for reading logs of a compared run).
+fn finish_headers(h: &mut HeaderMap, account: &Account, keyed: Option<&(String, u32)>) {
+    if let Account::Admitted {
+        limit,
+        remaining,
+        reset,
+    } = account
+    {
+        ratelimit_headers(h, *limit, *remaining, *reset);
+    }
+    if let Some((_, attempt)) = keyed {
+        h.insert("x-sim-attempt", HeaderValue::from(*attempt));
+    }
 }
 
 /// Deterministic unit vector for `text`: same text, same seed, same vector.
