@@ -153,10 +153,16 @@ pub struct Summary {
     pub error_percent: f64,
     /// Successful requests' P50, ms.
     pub p50: Option<f64>,
+    /// Successful requests' P95, ms.
+    #[serde(default)]
+    pub p95: Option<f64>,
     /// Successful requests' P99, ms.
     pub p99: Option<f64>,
     /// Successful requests' P99.9, ms.
     pub p999: Option<f64>,
+    /// Successful requests' P99 time to first token, ms.
+    #[serde(default)]
+    pub ttft_p99: Option<f64>,
     /// Attempts per request.
     pub amplification: f64,
 }
@@ -172,6 +178,14 @@ impl Summary {
             })
             .collect();
         ok.sort_by(f64::total_cmp);
+        let mut ttft: Vec<f64> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::Ok { ttft_ms, .. } => Some(*ttft_ms),
+                Outcome::Failed => None,
+            })
+            .collect();
+        ttft.sort_by(f64::total_cmp);
         let n = outcomes.len() as u64;
         let errors = n - ok.len() as u64;
         Self {
@@ -183,8 +197,10 @@ impl Summary {
                 errors as f64 * 100.0 / n as f64
             },
             p50: percentile(&ok, 50.0),
+            p95: percentile(&ok, 95.0),
             p99: percentile(&ok, 99.0),
             p999: percentile(&ok, 99.9),
+            ttft_p99: percentile(&ttft, 99.0),
             amplification: if n == 0 {
                 0.0
             } else {

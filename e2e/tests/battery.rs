@@ -223,15 +223,17 @@ fn attempts_are_counted_across_a_group_and_accounts_run_out() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The cells of the measurements. On current main the sidecar is known to lose to a
-/// direct call in them (429 cool-downs make requests wait before their first attempt): the
-/// test asserts that, so it shows the check can fail, and it turns into "must hold" cell by
-/// cell as the policies are fixed (remove a cell from `KNOWN_LOSSES`).
+/// One provider, where current main loses to a direct call by a wide margin: with
+/// independent 429s every request waits out the provider's 1 s cool-downs (P50 ~270 → ~400
+/// ms in `make bench`), and with an exhausted account it waits for every reset (P50 ~300 ms →
+/// ~1.2 s). The test asserts those losses, so it shows the check can fail; as the policies are
+/// fixed a cell comes off `KNOWN_LOSSES` and must then hold. Cells that lose by a few ms only
+/// (`independent/two-equal`) are left to `make bench`: 15 s of a small margin could flip.
 const SUBSET: [(&str, Topology, Upstream); 2] = [
     ("independent", Topology::One, Upstream::Hyper),
-    ("independent", Topology::TwoEqual, Upstream::Aiohttp),
+    ("account-limit", Topology::One, Upstream::Aiohttp),
 ];
-const KNOWN_LOSSES: [&str; 2] = ["independent/one/hyper", "independent/two-equal/aiohttp"];
+const KNOWN_LOSSES: [&str; 2] = ["independent/one/hyper", "account-limit/one/aiohttp"];
 
 #[test]
 fn never_worse_subset() {

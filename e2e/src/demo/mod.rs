@@ -7,8 +7,12 @@
 //! provider (one attempt, a generous 60 s timeout, no retries), and (b) through the sidecar.
 //!
 //! Honesty rules the design:
-//! * both phases get the same schedule, and the primary of each phase is a fresh simulator
-//!   with the same seed, so request *i* draws the same latency and fault in both;
+//! * both phases get the same schedule of requests `r0`, `r1`, …, and the simulators give
+//!   keyed fates ([`crate::sim::fate`]), so the first attempt of request *i* meets the same
+//!   latency and fault in both phases (the primary of each phase is a fresh simulator with
+//!   the same seed, its windows counted from its phase's start);
+//! * a third column, the limit, is the oracle ([`crate::oracle`]) on those same fates: the
+//!   best any proxy could reach with the route's limits;
 //! * latency is measured from each request's scheduled start (no coordinated omission);
 //! * upstream amplification is counted by the simulators themselves (chat requests received
 //!   per client request), not taken from the sidecar's own headers;
@@ -22,6 +26,7 @@ mod render;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -30,7 +35,9 @@ use tokio::sync::watch;
 
 use crate::bench::{self, BenchConfig, BenchError, Report};
 use crate::sidecar::{Sidecar, SidecarError};
-use crate::sim::{Profile, ProfileError, SimError, SimHandle, SimServer, StatsSnapshot};
+use crate::sim::{
+    FateLedger, Profile, ProfileError, SimError, SimHandle, SimOptions, SimServer, StatsSnapshot,
+};
 
 pub use render::{error_classes, render};
 
@@ -127,7 +134,8 @@ pub struct DemoOptions {
     pub rate: f64,
     /// Measured window of each phase.
     pub duration: Duration,
-    /// Seed of the simulators (the backup uses `seed + 1`).
+    /// Seed of the simulators. They give keyed fates: request `r{i}` meets the same fate on
+    /// its first attempt in both phases, and every retry or hedge a fresh one.
     pub seed: u64,
     /// The `tailwarden-sidecar` binary.
     pub sidecar: PathBuf,
@@ -189,6 +197,10 @@ pub struct DemoOutcome {
     pub sidecar: Option<Phase>,
     /// Sidecar counters.
     pub counters: Option<SidecarCounters>,
+    /// The oracle's limit for the primary + backup on the same fates (see
+    /// [`crate::oracle`]): the best any proxy could do within the route's limits.
+    #[serde(default)]
+    pub limit: Option<crate::oracle::Summary>,
     /// Ctrl-C (or SIGTERM) cut the run short.
     pub interrupted: bool,
     /// The rendered route the sidecar ran with.
@@ -237,12 +249,57 @@ fn load_config(url: String, opts: &DemoOptions, progress: bool) -> BenchConfig {
     cfg.model = MODEL.to_owned();
     cfg.timeout = opts.client_timeout;
     cfg.progress = progress;
+    cfg.request_ids = Some(REQUEST_PREFIX.to_owned());
     cfg
 }
 
-async fn bind_sim(profile: &Profile, seed: u64) -> Result<SimHandle, SimError> {
+/// Request ids are `r0`, `r1`, … in both phases (that is what pairs them).
+const REQUEST_PREFIX: &str = "r";
+
+/// What `e2e/demo/route.yaml` allows a proxy, for the oracle.
+const ROUTE_LIMITS: crate::oracle::Constraints = crate::oracle::Constraints {
+    max_attempts: 3,
+    max_retry_after_ms: 2000.0,
+    hedge_share: 0.15,
+    deadline_ms: 30_000.0,
+};
+
+async fn bind_sim(
+    profile: &Profile,
+    seed: u64,
+    ledger: &Arc<FateLedger>,
+) -> Result<SimHandle, SimError> {
     let addr = SocketAddr::from(([127, 0, 0, 1], 0));
-    Ok(SimServer::bind(addr, profile, seed).await?.spawn())
+    let options = SimOptions {
+        ledger: Some(ledger.clone()),
+        epoch: None,
+    };
+    Ok(SimServer::bind_with(addr, profile, seed, options)
+        .await?
+        .spawn())
+}
+
+/// The oracle's limit for the demo's primary and backup on the requests of a phase.
+fn limit(opts: &DemoOptions, requests: u64) -> Option<crate::oracle::Summary> {
+    let provider = |p: &NamedProfile, tier| {
+        Some(crate::oracle::Provider {
+            name: p.label.clone(),
+            profile: p.profile.compile(&p.label).ok()?,
+            tier,
+        })
+    };
+    let providers = [provider(&opts.primary, 0)?, provider(&opts.backup, 1)?];
+    let workload = crate::oracle::Workload {
+        seed: opts.seed,
+        prefix: REQUEST_PREFIX.to_owned(),
+        requests: usize::try_from(requests).ok()?,
+        rate: opts.rate,
+    };
+    Some(
+        crate::oracle::limit(&providers, &workload, &ROUTE_LIMITS)
+            .evaluation
+            .summary(),
+    )
 }
 
 fn say(opts: &DemoOptions, msg: &str) {
@@ -266,13 +323,18 @@ pub fn run(
     // Fresh simulators for each phase, each bound just before its phase so that brownout
     // windows (which count from a simulator's start) line up; the two primaries share the
     // seed, so request i draws the same latency and fault in both phases.
-    let direct_primary = rt.block_on(bind_sim(&opts.primary.profile, opts.seed))?;
+    let direct_primary = rt.block_on(bind_sim(
+        &opts.primary.profile,
+        opts.seed,
+        &FateLedger::new(),
+    ))?;
     let route_file = opts.workdir.join("route.yaml");
     let sidecar_log = opts.workdir.join("sidecar.log");
     let mut outcome = DemoOutcome {
         direct: None,
         sidecar: None,
         counters: None,
+        limit: None,
         interrupted: false,
         route_file: route_file.clone(),
         sidecar_log: sidecar_log.clone(),
@@ -303,6 +365,7 @@ pub fn run(
         ),
     );
     let direct_before = chat_requests(&direct_primary.stats());
+    direct_primary.restart_clock(std::time::Instant::now());
     let direct_task = rt.spawn(bench::run_until(
         load_config(direct_primary.base_url(), opts, false),
         stopped(stop.clone()),
@@ -335,6 +398,9 @@ pub fn run(
         })?;
     let direct_upstream = chat_requests(&direct_primary.stats()).saturating_sub(direct_before);
     outcome.interrupted = *stop.borrow() || report.partial;
+    if !outcome.interrupted {
+        outcome.limit = limit(opts, report.requests.sent);
+    }
     outcome.direct = Some(Phase {
         report,
         upstream: vec![("primary".to_owned(), direct_upstream)],
@@ -362,8 +428,10 @@ fn run_sidecar_phase(
     route_file: &Path,
     sidecar_log: &Path,
 ) -> Result<(Phase, Option<SidecarCounters>), DemoError> {
-    let primary = rt.block_on(bind_sim(&opts.primary.profile, opts.seed))?;
-    let backup = rt.block_on(bind_sim(&opts.backup.profile, opts.seed.wrapping_add(1)))?;
+    // One ledger: a retry or hedge on the backup is the request's next attempt.
+    let ledger = FateLedger::new();
+    let primary = rt.block_on(bind_sim(&opts.primary.profile, opts.seed, &ledger))?;
+    let backup = rt.block_on(bind_sim(&opts.backup.profile, opts.seed, &ledger))?;
     let route = render_route(
         &opts.route_template,
         &primary.base_url(),
@@ -385,6 +453,10 @@ fn run_sidecar_phase(
         chat_requests(&primary.stats()),
         chat_requests(&backup.stats()),
     );
+    // The windows of both phases count from their load's start.
+    let now = std::time::Instant::now();
+    primary.restart_clock(now);
+    backup.restart_clock(now);
     let report = rt
         .block_on(bench::run_until(
             load_config(sidecar.base_url(), opts, opts.progress),
