@@ -168,6 +168,24 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// The latency percentiles moved by `ms` (e.g. a run's measured loopback and timer cost,
+    /// so a limit computed on the model compares with measured numbers).
+    pub fn shifted(mut self, ms: f64) -> Self {
+        for v in [
+            &mut self.p50,
+            &mut self.p95,
+            &mut self.p99,
+            &mut self.p999,
+            &mut self.ttft_p99,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            *v += ms;
+        }
+        self
+    }
+
     /// Summarises `outcomes`, `attempts` upstream attempts in all.
     pub fn of(outcomes: &[Outcome], attempts: u64) -> Self {
         let mut ok: Vec<f64> = outcomes
