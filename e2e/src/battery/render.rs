@@ -37,6 +37,11 @@ fn verdict(c: &CellResult) -> String {
 
 fn share(c: &CellResult) -> String {
     match (c.share_p99, c.goal) {
+        // Saving the failed requests (waiting out a storm's Retry-After) costs the limit
+        // latency: its P99 of successes is not below direct's, the errors are.
+        (None, _) if c.limit.p99 > c.direct.p99 => {
+            "none on P99 (the limit saves errors)".to_owned()
+        }
         (None, _) => "nothing to cut".to_owned(),
         (Some(s), Some(true)) => format!("{:.0} % (met)", s * 100.0),
         (Some(s), _) => format!("{:.0} %", s * 100.0),

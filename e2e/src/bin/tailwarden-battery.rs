@@ -47,10 +47,30 @@ struct Args {
     /// Exit 1 when the invariant is broken in any cell.
     #[arg(long)]
     check: bool,
+    /// Do not measure: print the table of an earlier `--json` result.
+    #[arg(long, value_name = "JSON")]
+    render_from: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(path) = &args.render_from {
+        let parsed = std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| {
+                serde_json::from_str::<battery::BatteryResult>(&t).map_err(|e| e.to_string())
+            });
+        return match parsed {
+            Ok(r) => {
+                print!("{}", battery::render_markdown(&r));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tailwarden-battery: cannot read {}: {e}", path.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cells = if args.cells.is_empty() {
         battery::default_cells()
     } else {
