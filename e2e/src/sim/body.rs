@@ -129,9 +129,9 @@ pub(crate) struct StreamBody {
     sleep: Option<Pin<Box<Sleep>>>,
     /// Re-check timer while frozen.
     frozen_tick: Option<Pin<Box<Sleep>>>,
-    /// When the last frame was due: waits are counted from here rather than from when the
-    /// previous frame happened to be written, so timer rounding does not add up over a
-    /// stream (the oracle compares each request with the fate it was drawn).
+    /// When the last frame was due. For keyed fates (planned gaps) waits are counted from
+    /// here rather than from when the previous frame happened to be written, so timer
+    /// rounding and a busy machine do not add up over a stream.
     due: tokio::time::Instant,
     guard: RequestGuard,
 }
@@ -285,7 +285,14 @@ fn poll_stream(s: &mut StreamBody, cx: &mut Context<'_>) -> Poll<FrameResult> {
         match s.step(&mut out) {
             Step::Continue => {}
             Step::Wait(d) => {
-                s.due += d;
+                // Keyed fates follow their plan to the millisecond (the oracle compares each
+                // request with its fate); otherwise a gap is a gap between two sends, as a
+                // client measures it, even when the machine is busy.
+                s.due = if matches!(s.plan.gaps, Gaps::Planned(_)) {
+                    s.due + d
+                } else {
+                    tokio::time::Instant::now() + d
+                };
                 s.sleep = Some(Box::pin(tokio::time::sleep_until(s.due)));
             }
             Step::Fail(e) => {
