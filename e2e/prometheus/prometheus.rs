@@ -109,12 +109,19 @@ const METRICS: &[(&str, &str, &[&str])] = &[
     (
         "tailwarden_tokens_total",
         "counter",
-        &["route", "provider", "model", "type"],
+        &[
+            "route",
+            "provider",
+            "model",
+            "type",
+            "namespace",
+            "workload",
+        ],
     ),
     (
         "tailwarden_cost_total",
         "counter",
-        &["route", "provider", "model"],
+        &["route", "provider", "model", "namespace", "workload"],
     ),
     ("tailwarden_in_flight_requests", "gauge", &["route"]),
     (
@@ -414,10 +421,17 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
         &sidecar_bin,
         &dir.join("route.yaml"),
         &dir.join("sidecar.log"),
-        &[(
-            "OTEL_SEMCONV_STABILITY_OPT_IN",
-            "gen_ai_latest_experimental",
-        )],
+        // ... and the workload identity the injector gives a pod of Deployment `web`.
+        &[
+            (
+                "OTEL_SEMCONV_STABILITY_OPT_IN",
+                "gen_ai_latest_experimental",
+            ),
+            ("TAILWARDEN_POD_NAMESPACE", "shop"),
+            ("TAILWARDEN_POD_NAME", "web-7d9c-x2k4q"),
+            ("TAILWARDEN_WORKLOAD_KIND", "Deployment"),
+            ("TAILWARDEN_WORKLOAD_NAME", "web"),
+        ],
     )
     .unwrap();
 
@@ -629,6 +643,7 @@ fn a_real_prometheus_scraping_a_loaded_sidecar_has_every_metric_and_every_panel_
         "sum(tailwarden_circuit_breaker_transitions_total{to=\"open\"})",
         "sum(tailwarden_slo_requests_total{objective=\"ttft\"})",
         "sum(tailwarden_cost_total)",
+        "sum(tailwarden_cost_total{namespace=\"shop\",workload=\"web\"})",
         "sum(tailwarden_rate_limited_total{limit=\"requests_per_second\",scope=\"tenant\"})",
         "sum(tailwarden_cache_requests_total{result=\"hit\"})",
         "sum(tailwarden_tier_requests_total{tier=\"everyday\"})",

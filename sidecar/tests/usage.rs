@@ -248,7 +248,7 @@ async fn a_client_that_leaves_mid_stream_is_still_accounted() {
     let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
     assert!(
         metrics.contains(
-            r#"tailwarden_tokens_total{model="m",provider="p",route="t/test",type="output"} 2"#
+            r#"tailwarden_tokens_total{model="m",namespace="",provider="p",route="t/test",type="output",workload=""} 2"#
         ),
         "{metrics}"
     );
@@ -334,4 +334,123 @@ async fn the_access_log_names_the_workload_the_sidecar_serves() {
         line.get("workload").is_none() && line.get("namespace").is_none(),
         "{line}"
     );
+}
+
+/// The sum of a counter's samples in a `/metrics` page whose labels include all of `want`.
+fn counter_sum(page: &str, name: &str, want: &[(&str, &str)]) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter(|l| {
+            want.iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chargeback_cost_per_workload_from_the_metrics_matches_the_hand_computed_sums() {
+    log_lines();
+    // One route, one provider that reports usage from the prompt: the prompt's length in
+    // characters is its input tokens, and every answer has 10 output tokens.
+    let up = upstream(|_, body| {
+        let v: Value = serde_json::from_str(body).unwrap_or_default();
+        let prompt = v["messages"][0]["content"].as_str().unwrap_or_default().len();
+        Script::Respond {
+            delay: Duration::ZERO,
+            status: 200,
+            headers: vec![],
+            body: serde_json::json!({
+                "id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10}
+            })
+            .to_string(),
+        }
+    })
+    .await;
+    let route = priced_route(&up.base_url(), "");
+    let workload = |name: &str| tailwarden_sidecar::record::identity::Identity {
+        namespace: Some("shop".into()),
+        pod: Some(format!("{name}-7d9c-abcde")),
+        service_account: Some(name.into()),
+        workload_kind: Some("Deployment".into()),
+        workload: Some(name.into()),
+    };
+    // Two workloads, each with its own sidecar, through the same route.
+    let web = sidecar_with(&route, |app| app.identity = Arc::new(workload("web"))).await;
+    let batch = sidecar_with(&route, |app| app.identity = Arc::new(workload("batch"))).await;
+    let prompts: [(&Sidecar, &str); 5] = [
+        (&web, "hello"),
+        (&web, "a somewhat longer question"),
+        (&batch, "x"),
+        (&web, "tell me more"),
+        (&batch, "summarise this document for me please"),
+    ];
+    for (n, (sc, prompt)) in prompts.iter().enumerate() {
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt}]});
+        let (status, _) = send(sc, &format!("chargeback-{n}"), &body.to_string()).await;
+        assert_eq!(status, 200);
+    }
+    // By hand, at 2.50 per million input and 10.00 per million output tokens.
+    let expected = |who: &str| -> (u64, u64, f64) {
+        let input: u64 = prompts
+            .iter()
+            .filter(|(sc, _)| std::ptr::eq(*sc, if who == "web" { &web } else { &batch }))
+            .map(|(_, p)| p.len() as u64)
+            .sum();
+        let calls = prompts
+            .iter()
+            .filter(|(sc, _)| std::ptr::eq(*sc, if who == "web" { &web } else { &batch }))
+            .count() as u64;
+        let output = 10 * calls;
+        (
+            input,
+            output,
+            (input as f64 * 2.50 + output as f64 * 10.00) / 1e6,
+        )
+    };
+    let (web_in, web_out, web_cost) = expected("web");
+    let (batch_in, batch_out, batch_cost) = expected("batch");
+    assert_eq!((web_in, web_out), (5 + 26 + 12, 30));
+    assert_eq!((batch_in, batch_out), (1 + 37, 20));
+    // Metrics are written just before the access-log line: once every line is there, the
+    // fleet's metrics are complete. Summed by workload, as Prometheus would.
+    log_lines();
+    for n in 0..prompts.len() {
+        access_line(&format!("chargeback-{n}")).await;
+    }
+    let pages: Vec<String> = [&web, &batch]
+        .iter()
+        .map(|sc| String::from_utf8(sc.app.metrics.render()).unwrap())
+        .collect();
+    let by = |metric: &str, who: &str, extra: &[(&str, &str)]| -> f64 {
+        let mut want = vec![("namespace", "shop"), ("workload", who)];
+        want.extend_from_slice(extra);
+        pages.iter().map(|p| counter_sum(p, metric, &want)).sum()
+    };
+    for (who, input, output, cost) in [
+        ("web", web_in, web_out, web_cost),
+        ("batch", batch_in, batch_out, batch_cost),
+    ] {
+        assert_eq!(
+            by("tailwarden_tokens_total", who, &[("type", "input")]),
+            input as f64,
+            "{who} input tokens"
+        );
+        assert_eq!(
+            by("tailwarden_tokens_total", who, &[("type", "output")]),
+            output as f64,
+            "{who} output tokens"
+        );
+        let got = by("tailwarden_cost_total", who, &[]);
+        assert!(
+            (got - cost).abs() < 1e-12,
+            "{who}: cost {got} from the metrics, {cost} by hand"
+        );
+    }
+    // And the access log charges each request to its workload.
+    assert_eq!(access_line("chargeback-2").await["workload"], "batch");
+    assert_eq!(access_line("chargeback-3").await["workload"], "web");
 }

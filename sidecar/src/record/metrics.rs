@@ -2,6 +2,8 @@
 //!
 //! Labels are bounded: route, provider, model (client-facing, from the config), status
 //! class and small enums. Nothing per request or per tenant, so cardinality stays fixed.
+//! Tokens and cost also carry the workload the sidecar serves (`namespace`, `workload`: one
+//! value per sidecar, per workload rather than per pod), so cost can be charged back.
 //! Latency buckets run from 5 ms to 600 s because LLM calls routinely take minutes.
 
 use prometheus::{
@@ -232,16 +234,23 @@ impl Metrics {
             tokens: IntCounterVec::new(
                 Opts::new(
                     "tailwarden_tokens_total",
-                    "Tokens by type (input, cached_input, output, reasoning).",
+                    "Tokens by type (input, cached_input, output, reasoning), and the workload the sidecar serves.",
                 ),
-                &["route", "provider", "model", "type"],
+                &[
+                    "route",
+                    "provider",
+                    "model",
+                    "type",
+                    "namespace",
+                    "workload",
+                ],
             )?,
             cost: CounterVec::new(
                 Opts::new(
                     "tailwarden_cost_total",
-                    "Cost of requests in the pricing's currency units.",
+                    "Cost of requests in the pricing's currency units, and the workload the sidecar serves.",
                 ),
-                &["route", "provider", "model"],
+                &["route", "provider", "model", "namespace", "workload"],
             )?,
             in_flight: IntGaugeVec::new(
                 Opts::new(

@@ -259,6 +259,9 @@ impl Drop for Recorder {
             guard.settle(usage.map_or(0, |u| u.input.saturating_add(u.output)));
         }
         let mut cost = None;
+        // Empty outside a cluster (Prometheus then shows no such label).
+        let namespace = i.identity.namespace.as_deref().unwrap_or_default();
+        let workload = i.identity.workload.as_deref().unwrap_or_default();
         if let Some(u) = &usage {
             for (kind, n) in [
                 ("input", u.input),
@@ -268,14 +271,16 @@ impl Drop for Recorder {
             ] {
                 if n > 0 {
                     m.tokens
-                        .with_label_values(&[&i.route, provider, &i.model, kind])
+                        .with_label_values(&[
+                            &i.route, provider, &i.model, kind, namespace, workload,
+                        ])
                         .inc_by(n);
                 }
             }
             if let Some(price) = &i.price {
                 let c = price.cost(u);
                 m.cost
-                    .with_label_values(&[&i.route, provider, &i.model])
+                    .with_label_values(&[&i.route, provider, &i.model, namespace, workload])
                     .inc_by(c.to_f64().unwrap_or(0.0));
                 cost = Some(c);
             }
