@@ -312,6 +312,10 @@ async fn the_access_log_names_the_workload_the_sidecar_serves() {
     .await;
     assert_eq!(status, 200);
     let line = access_line("who-1").await;
+    assert!(
+        line.get("tenant").is_none(),
+        "no tenantHeader, no tenant: {line}"
+    );
     for (key, want) in [
         ("namespace", "shop"),
         ("pod", "web-7d9c-x2k4q"),
@@ -453,4 +457,36 @@ async fn chargeback_cost_per_workload_from_the_metrics_matches_the_hand_computed
     // And the access log charges each request to its workload.
     assert_eq!(access_line("chargeback-2").await["workload"], "batch");
     assert_eq!(access_line("chargeback-3").await["workload"], "web");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tenant_header_is_its_own_field_beside_the_workload() {
+    log_lines();
+    let up = upstream(|_, _| ok("x")).await;
+    let sc = sidecar_with(
+        &route(
+            &[("p", &up.base_url(), 100, 0)],
+            "  rateLimit: {tenantHeader: x-tenant-id}\n",
+        ),
+        |app| {
+            app.identity = Arc::new(tailwarden_sidecar::record::identity::Identity {
+                namespace: Some("shop".into()),
+                workload: Some("web".into()),
+                ..Default::default()
+            })
+        },
+    )
+    .await;
+    let req = Request::post(sc.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "tenant-1")
+        .header("x-tenant-id", "acme")
+        .body(http_body_util::Full::new(Bytes::from(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        )))
+        .unwrap();
+    assert_eq!(client().request(req).await.unwrap().status(), 200);
+    let line = access_line("tenant-1").await;
+    assert_eq!(line["tenant"], "acme");
+    assert_eq!(line["workload"], "web");
 }

@@ -27,7 +27,7 @@ use crate::{
     state::{
         exact::Entry,
         fill::Fill,
-        limits::{AdmissionGuard, Rejection, Scope},
+        limits::{self, AdmissionGuard, Rejection, Scope},
         semantic,
     },
 };
@@ -39,6 +39,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
         metrics: ex.app.metrics.clone(),
         operation: ex.endpoint.operation(),
         identity: ex.app.identity.clone(),
+        tenant: limits::tenant_header_value(&ex.route.spec, &ex.headers),
         request_id: ex.request_id.clone(),
         route: ex.route.name.clone(),
         model: body.model.to_string(),
@@ -190,6 +191,7 @@ pub async fn attempted(
         metrics: ex.app.metrics.clone(),
         operation: ex.endpoint.operation(),
         identity: ex.app.identity.clone(),
+        tenant: limits::tenant_header_value(&ex.route.spec, &ex.headers),
         request_id: ex.request_id.clone(),
         route: route.name.clone(),
         model: body.model.to_string(),

@@ -63,6 +63,9 @@ pub struct RequestInfo {
     pub operation: &'static str,
     /// The workload the sidecar serves.
     pub identity: Arc<super::identity::Identity>,
+    /// The route's `tenantHeader` value, when it has one: the caller as the app names it,
+    /// apart from the workload.
+    pub tenant: Option<String>,
     pub request_id: String,
     pub route: Arc<str>,
     pub model: String,
@@ -343,6 +346,7 @@ impl Drop for Recorder {
             cost = cost.map(|c| c.normalize().to_string()),
             error_type = error_type,
             cache = i.cache,
+            tenant = i.tenant.as_deref(),
             namespace = i.identity.namespace.as_deref(),
             pod = i.identity.pod.as_deref(),
             service_account = i.identity.service_account.as_deref(),

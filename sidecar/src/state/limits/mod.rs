@@ -544,6 +544,20 @@ impl RouteLimiter {
     }
 }
 
+/// The route's `tenantHeader` value of a request, cut to [`MAX_TENANT_BYTES`], whatever the
+/// route's limits (for the access log); `None` without the header or the setting.
+pub fn tenant_header_value(
+    spec: &tailwarden_crds::InferenceRouteSpec,
+    headers: &HeaderMap,
+) -> Option<String> {
+    let name = spec.rate_limit.as_ref()?.tenant_header.as_deref()?;
+    let value = headers.get(name)?;
+    Some(truncate(
+        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        MAX_TENANT_BYTES,
+    ))
+}
+
 fn truncate(mut s: String, max: usize) -> String {
     if s.len() > max {
         let mut cut = max;
