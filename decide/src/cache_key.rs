@@ -107,6 +107,10 @@ pub enum NotCacheable {
     NotDeterministic,
     #[error("unparseable-member")]
     Unparseable,
+    /// A Responses request whose answer lives on its provider (`store` not `false`,
+    /// `previous_response_id`, `conversation`, `background`): never served from a cache.
+    #[error("stateful")]
+    Stateful,
 }
 
 /// A request's cache key, and what the client allows.
@@ -160,6 +164,9 @@ pub fn key(
         return Err(NotCacheable::NoStore);
     }
     let endpoint = scope.endpoint;
+    if endpoint == "/responses" && !crate::request::Endpoint::Responses.stateless(body) {
+        return Err(NotCacheable::Stateful);
+    }
     let stream = body.stream && endpoint != "/embeddings";
     if scope.deterministic_only && !directive.force && endpoint != "/embeddings" {
         let temperature = body
@@ -194,8 +201,9 @@ pub fn key(
     })
 }
 
-/// A stream is complete when its last event is `data: [DONE]`, and clean when no event is
-/// an error (`data: {"error": …}` or `event: error`).
+/// A stream is complete when its last event is `data: [DONE]` (a Responses stream: a
+/// `response.completed` event), and clean when no event is an error (`data: {"error": …}`
+/// or `event: error`).
 pub fn clean_sse(chunks: &[Bytes]) -> bool {
     let mut all = Vec::with_capacity(chunks.iter().map(Bytes::len).sum());
     for c in chunks {
@@ -218,7 +226,18 @@ pub fn clean_sse(chunks: &[Bytes]) -> bool {
             last_data = Some(data);
         }
     }
-    last_data == Some("[DONE]") && text.ends_with('\n')
+    let complete = last_data.is_some_and(|d| {
+        d == "[DONE]"
+            || serde_json::from_str::<TypeOnly<'_>>(d)
+                .is_ok_and(|e| e.kind.as_deref() == Some("response.completed"))
+    });
+    complete && text.ends_with('\n')
+}
+
+#[derive(serde::Deserialize)]
+struct TypeOnly<'a> {
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<std::borrow::Cow<'a, str>>,
 }
 
 /// The members that go into the key, in name order, defaults dropped (also the semantic

@@ -22,7 +22,8 @@
 //! | [`breaker`] | whether a provider is in rotation (Closed → Open → HalfOpen) |
 //! | [`retry`] | which failures are retried, backoff, `Retry-After`, retry budgets |
 //! | [`hedge`] | the hedge delay, its budget, and the TTFT quantiles it learns from |
-//! | [`sse`] | what a stream says as it passes (TTFT, usage, errors, `[DONE]`) |
+//! | [`sse`] | what a stream says as it passes (TTFT, usage, errors, `[DONE]`), the commit rule |
+//! | [`responses`] | the Responses API's events: content, terminal events, usage, ids, error events |
 //! | [`usage`] | tokens and cost of a response |
 
 pub mod balance;
@@ -33,6 +34,7 @@ pub mod capabilities;
 pub mod error;
 pub mod hedge;
 pub mod request;
+pub mod responses;
 pub mod retry;
 pub mod schedule;
 pub mod semantic;

@@ -14,7 +14,7 @@ use serde::{
 };
 use serde_json::value::RawValue;
 
-use crate::error::ApiError;
+use crate::{error::ApiError, sse::Dialect};
 
 /// The OpenAI endpoints the request path serves. Everything that differs between them is
 /// decided here, so a new endpoint is a new variant, not an edit in every stage.
@@ -26,6 +26,8 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/embeddings`.
     Embeddings,
+    /// `POST /v1/responses` (the Responses API).
+    Responses,
 }
 
 impl Endpoint {
@@ -35,6 +37,7 @@ impl Endpoint {
             "/v1/chat/completions" => Some(Self::ChatCompletions),
             "/v1/completions" => Some(Self::Completions),
             "/v1/embeddings" => Some(Self::Embeddings),
+            "/v1/responses" => Some(Self::Responses),
             _ => None,
         }
     }
@@ -45,6 +48,7 @@ impl Endpoint {
             Self::ChatCompletions => "/chat/completions",
             Self::Completions => "/completions",
             Self::Embeddings => "/embeddings",
+            Self::Responses => "/responses",
         }
     }
 
@@ -54,7 +58,64 @@ impl Endpoint {
             Self::ChatCompletions => "chat",
             Self::Completions => "text_completion",
             Self::Embeddings => "embeddings",
+            // The GenAI conventions name model calls by what they do, not by the API shape:
+            // a Responses call is a chat turn.
+            Self::Responses => "chat",
         }
+    }
+
+    /// The endpoint's name for metrics and log lines (`chat_completions`, `responses`, …).
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::ChatCompletions => "chat_completions",
+            Self::Completions => "completions",
+            Self::Embeddings => "embeddings",
+            Self::Responses => "responses",
+        }
+    }
+
+    /// How its event stream reads.
+    pub fn dialect(self) -> Dialect {
+        match self {
+            Self::Responses => Dialect::Responses,
+            _ => Dialect::Chat,
+        }
+    }
+
+    /// Whether the sidecar may ask for a stream's usage chunk
+    /// (`stream_options.include_usage`): chat and completions only — a Responses stream
+    /// reports usage in its terminal event on its own.
+    pub fn asks_usage(self) -> bool {
+        matches!(self, Self::ChatCompletions | Self::Completions)
+    }
+
+    /// Whether the request's answer is the provider's alone to keep: a Responses request
+    /// that continues a conversation (`previous_response_id`, `conversation`), runs in the
+    /// background, or is stored (`store` defaults to true) is stateful; everything else is
+    /// stateless. Only stateless requests are served from a cache.
+    pub fn stateless(self, body: &RequestBody<'_>) -> bool {
+        if self != Self::Responses {
+            return true;
+        }
+        let set = |name: &str| body.member(name).is_some_and(|raw| raw.get() != "null");
+        let store_off = body.member("store").is_some_and(|raw| raw.get() == "false");
+        store_off
+            && !set("previous_response_id")
+            && !set("conversation")
+            && body
+                .member("background")
+                .is_none_or(|raw| raw.get() != "true")
+    }
+
+    /// The response a request continues (`previous_response_id`), if any.
+    pub fn continues<'a>(self, body: &RequestBody<'a>) -> Option<Cow<'a, str>> {
+        if self != Self::Responses {
+            return None;
+        }
+        body.member("previous_response_id")
+            .and_then(|raw| serde_json::from_str::<Option<Cow<'a, str>>>(raw.get()).ok())
+            .flatten()
+            .filter(|id| !id.is_empty())
     }
 
     /// Whether a request's `stream: true` makes the response an event stream (embeddings
@@ -251,6 +312,44 @@ impl<'a> RequestBody<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn responses_statefulness() {
+        let stateless =
+            |body: &[u8]| Endpoint::Responses.stateless(&RequestBody::parse(body).unwrap());
+        assert!(stateless(br#"{"model":"m","input":"hi","store":false}"#));
+        assert!(
+            !stateless(br#"{"model":"m","input":"hi"}"#),
+            "store defaults to true"
+        );
+        assert!(!stateless(
+            br#"{"model":"m","store":false,"previous_response_id":"resp_1"}"#
+        ));
+        assert!(stateless(
+            br#"{"model":"m","store":false,"previous_response_id":null}"#
+        ));
+        assert!(!stateless(
+            br#"{"model":"m","store":false,"conversation":"conv_1"}"#
+        ));
+        assert!(!stateless(
+            br#"{"model":"m","store":false,"background":true}"#
+        ));
+        assert!(
+            Endpoint::ChatCompletions.stateless(&RequestBody::parse(br#"{"model":"m"}"#).unwrap())
+        );
+        let body =
+            RequestBody::parse(br#"{"model":"m","previous_response_id":"resp_\u0031"}"#).unwrap();
+        assert_eq!(
+            Endpoint::Responses.continues(&body).as_deref(),
+            Some("resp_1")
+        );
+        assert_eq!(Endpoint::ChatCompletions.continues(&body), None);
+        assert!(!Endpoint::Responses.asks_usage());
+        assert_eq!(
+            Endpoint::from_path("/v1/responses"),
+            Some(Endpoint::Responses)
+        );
+    }
 
     #[test]
     fn reads_model_and_stream() {

@@ -29,6 +29,8 @@ use bytes::{Bytes, BytesMut};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
+use crate::responses;
+
 /// Default cap on the size of one SSE frame (1 MiB). OpenAI chunks are a few hundred bytes;
 /// anything near this size is a broken or hostile upstream.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
@@ -92,16 +94,100 @@ pub enum SseEvent {
         /// The cap that was exceeded, in bytes.
         limit: usize,
     },
+    /// An event of a Responses API stream (see [`crate::responses`]).
+    Response(responses::Event),
+}
+
+/// Which API's events a stream carries: what "content", "usage" and "the end" look like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dialect {
+    /// Chat and legacy completions: `data:` chunks with `choices`, usage in a usage-only
+    /// chunk, `data: [DONE]` at the end.
+    #[default]
+    Chat,
+    /// The Responses API: typed events with sequence numbers, usage in the terminal event,
+    /// no `[DONE]`.
+    Responses,
+}
+
+/// What the events an attempt sent so far say, while the client has seen none of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Nothing decisive yet: keep holding the events.
+    Wait,
+    /// Commit the client to this attempt.
+    Commit,
+    /// The provider failed before any content: the attempt failed, another may be tried.
+    Fail,
+}
+
+impl Dialect {
+    /// The commit rule. Chat commits at its first event unless that event is an error
+    /// without content; Responses holds its lifecycle events until the first content
+    /// event (or an answer that ended without content), and an `error` or
+    /// `response.failed` before that fails the attempt.
+    pub fn opening(self, events: &[SseEvent]) -> Opening {
+        match self {
+            Dialect::Chat => match events.iter().find(|e| !matches!(e, SseEvent::Comment)) {
+                None => Opening::Wait,
+                Some(SseEvent::Data {
+                    error: true,
+                    has_content: false,
+                    ..
+                }) => Opening::Fail,
+                Some(_) => Opening::Commit,
+            },
+            Dialect::Responses => {
+                for event in events {
+                    match event {
+                        SseEvent::Response(e) if e.is_failure() => return Opening::Fail,
+                        SseEvent::Response(e) if e.commits() => return Opening::Commit,
+                        SseEvent::Data { error: true, .. } => return Opening::Fail,
+                        SseEvent::Oversized { .. } => return Opening::Commit,
+                        _ => {}
+                    }
+                }
+                Opening::Wait
+            }
+        }
+    }
 }
 
 impl SseEvent {
-    /// Whether this event marks output (used for TTFT). An oversized frame counts: it is
-    /// certainly not an empty keep-alive.
+    /// Whether this event marks output (used for TTFT and the commit). An oversized frame
+    /// counts: it is certainly not an empty keep-alive.
     pub fn has_content(&self) -> bool {
         match self {
             SseEvent::Data { has_content, .. } => *has_content,
             SseEvent::Oversized { .. } => true,
+            SseEvent::Response(e) => e.commits(),
             _ => false,
+        }
+    }
+
+    /// The usage the event reports (a chat usage chunk, a Responses terminal event).
+    pub fn usage(&self) -> Option<&Usage> {
+        match self {
+            SseEvent::Data { usage, .. } => usage.as_ref(),
+            SseEvent::Response(e) => e.usage.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The response's model, on the first event that names one.
+    pub fn model(&self) -> Option<&str> {
+        match self {
+            SseEvent::Data { model, .. } => model.as_deref(),
+            SseEvent::Response(e) => e.model.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// The provider's response id (Responses streams), on the first event that names it.
+    pub fn response_id(&self) -> Option<&str> {
+        match self {
+            SseEvent::Response(e) => e.response_id.as_deref(),
+            _ => None,
         }
     }
 }
@@ -148,6 +234,10 @@ pub struct SseScanner {
     overflowed: bool,
     /// Still looking for the response's model name.
     want_model: bool,
+    /// Which API's events the stream carries.
+    dialect: Dialect,
+    /// What a Responses stream has named already (its id, its model).
+    seen: responses::Seen,
 }
 
 impl Default for SseScanner {
@@ -173,7 +263,15 @@ impl SseScanner {
             frame_ended_on_cr: false,
             overflowed: false,
             want_model: true,
+            dialect: Dialect::Chat,
+            seen: responses::Seen::default(),
         }
+    }
+
+    /// The same scanner reading `dialect`'s events.
+    pub fn with_dialect(mut self, dialect: Dialect) -> Self {
+        self.dialect = dialect;
+        self
     }
 
     /// Scan one chunk, calling `on_event` for each frame completed by it (in order).
@@ -195,7 +293,12 @@ impl SseScanner {
         let event = if self.overflowed || self.buf.is_empty() {
             None
         } else {
-            classify(&self.buf, &mut self.want_model)
+            classify(
+                &self.buf,
+                &mut self.want_model,
+                self.dialect,
+                &mut self.seen,
+            )
         };
         self.reset_frame();
         self.pending_cr = false;
@@ -298,7 +401,7 @@ impl SseScanner {
                 event: None,
             });
         } else if self.buf.is_empty() {
-            let event = classify(in_chunk, &mut self.want_model);
+            let event = classify(in_chunk, &mut self.want_model, self.dialect, &mut self.seen);
             on_step(Step::Frame {
                 start,
                 end,
@@ -309,7 +412,12 @@ impl SseScanner {
         } else {
             let carried_len = self.buf.len();
             self.buf.extend_from_slice(in_chunk);
-            let event = classify(&self.buf, &mut self.want_model);
+            let event = classify(
+                &self.buf,
+                &mut self.want_model,
+                self.dialect,
+                &mut self.seen,
+            );
             on_step(Step::Frame {
                 start,
                 end,
@@ -333,6 +441,28 @@ pub struct SseForwarder {
     strip_usage_only: bool,
     /// The last completed frame was stripped (so its trailing `\n`, if any, is dropped too).
     last_stripped: bool,
+    /// What the stream said about its own progress (Responses: sequence numbers, the end).
+    track: Track,
+}
+
+/// A Responses stream's progress as it passed: the last sequence number (the sidecar's own
+/// error event follows it) and whether its terminal event came.
+#[derive(Debug, Default, Clone, Copy)]
+struct Track {
+    last_sequence: Option<u64>,
+    terminal: bool,
+}
+
+impl Track {
+    fn note(&mut self, event: &SseEvent) {
+        if let SseEvent::Response(e) = event {
+            if e.sequence.is_some() {
+                self.last_sequence = e.sequence;
+            }
+            // After `error` a stream ends too (OpenAI sends nothing more).
+            self.terminal |= e.is_terminal() || e.is_failure();
+        }
+    }
 }
 
 /// Accumulates the forwarded output of one chunk: a run of kept chunk bytes that can still
@@ -419,6 +549,35 @@ impl SseForwarder {
             scanner,
             strip_usage_only,
             last_stripped: false,
+            track: Track::default(),
+        }
+    }
+
+    /// A forwarder for `dialect`'s events (the Responses API never has a usage chunk to
+    /// strip).
+    pub fn for_dialect(dialect: Dialect, strip_usage_only: bool) -> Self {
+        let strip = strip_usage_only && dialect == Dialect::Chat;
+        Self::with_scanner(SseScanner::new().with_dialect(dialect), strip)
+    }
+
+    /// Which API's events this stream carries.
+    pub fn dialect(&self) -> Dialect {
+        self.scanner.dialect
+    }
+
+    /// Whether the stream reached its own end: a Responses stream must end with its
+    /// terminal event (a clean close before it is a cut); chat streams are not judged.
+    pub fn ended_properly(&self) -> bool {
+        self.dialect() == Dialect::Chat || self.track.terminal
+    }
+
+    /// The sidecar's own error event for a failure after the stream was committed, in the
+    /// stream's dialect: an OpenAI error chunk for chat, a `ResponseErrorEvent` numbered
+    /// after the last event for Responses.
+    pub fn error_event(&self, message: &str, error_type: &str, code: &str) -> Bytes {
+        match self.dialect() {
+            Dialect::Chat => error_event(message, error_type, Some(code)),
+            Dialect::Responses => responses::error_event(message, code, self.track.last_sequence),
         }
     }
 
@@ -433,6 +592,11 @@ impl SseForwarder {
     /// first frame, minus the new incomplete frame at the end (held back until complete).
     /// The result may be empty.
     pub fn forward(&mut self, chunk: Bytes, mut on_event: impl FnMut(SseEvent)) -> Bytes {
+        let track = &mut self.track;
+        let mut on_event = |event: SseEvent| {
+            track.note(&event);
+            on_event(event);
+        };
         let limit = self.scanner.max_frame;
         if !self.strip_usage_only {
             self.scanner.scan(&chunk, |step| match step {
@@ -498,6 +662,11 @@ impl SseForwarder {
     /// frame (dropped if it is the usage-only frame and stripping is on). Without stripping
     /// nothing is held back, so this only reports the event.
     pub fn finish(&mut self, mut on_event: impl FnMut(SseEvent)) -> Bytes {
+        let track = &mut self.track;
+        let mut on_event = |event: SseEvent| {
+            track.note(&event);
+            on_event(event);
+        };
         let held = if self.strip_usage_only && !self.scanner.overflowed {
             Bytes::copy_from_slice(&self.scanner.buf)
         } else {
@@ -572,7 +741,12 @@ fn trim_ascii(mut s: &[u8]) -> &[u8] {
 }
 
 /// Classify one complete frame (its raw bytes, terminators included).
-fn classify(frame: &[u8], want_model: &mut bool) -> Option<SseEvent> {
+fn classify(
+    frame: &[u8],
+    want_model: &mut bool,
+    dialect: Dialect,
+    seen: &mut responses::Seen,
+) -> Option<SseEvent> {
     let mut first_data: Option<&[u8]> = None;
     // Only allocated for the rare frame with several `data:` lines (joined with `\n`).
     let mut joined: Option<Vec<u8>> = None;
@@ -620,6 +794,12 @@ fn classify(frame: &[u8], want_model: &mut bool) -> Option<SseEvent> {
         (None, None) if saw_field => return Some(SseEvent::Other),
         (None, None) => return None,
     };
+    if dialect == Dialect::Responses {
+        return Some(match responses::classify(trim_ascii(data), seen) {
+            Some(event) => SseEvent::Response(event),
+            None => classify_data(data, want_model),
+        });
+    }
     Some(classify_data(data, want_model))
 }
 
@@ -1378,5 +1558,117 @@ mod tests {
         sc.feed(HEARTBEAT, |e| ev.push(e));
         sc.feed(DONE_FRAME, |e| ev.push(e));
         assert_eq!(ev, vec![SseEvent::Comment, SseEvent::Done]);
+    }
+
+    const R_CREATED: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\",\"model\":\"gpt-4.1\",\"status\":\"in_progress\",\"usage\":null}}\n\n";
+    const R_PROGRESS: &str = "event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1,\"response\":{\"id\":\"resp_1\"}}\n\n";
+    const R_DELTA: &str = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":2,\"delta\":\"Hi\"}\n\n";
+    const R_DONE: &str = "event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":3,\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n";
+    const R_FAILED: &str = "event: response.failed\ndata: {\"type\":\"response.failed\",\"sequence_number\":2,\"response\":{\"id\":\"resp_1\",\"status\":\"failed\",\"usage\":{\"input_tokens\":5,\"output_tokens\":0}}}\n\n";
+    const R_ERROR: &str = "event: error\ndata: {\"type\":\"error\",\"code\":\"insufficient_quota\",\"message\":\"quota\",\"param\":null,\"sequence_number\":2}\n\n";
+
+    fn responses_events(stream: &str) -> (Vec<SseEvent>, SseForwarder) {
+        let mut fwd = SseForwarder::for_dialect(Dialect::Responses, true);
+        let mut events = Vec::new();
+        let out = fwd.forward(Bytes::copy_from_slice(stream.as_bytes()), |e| {
+            events.push(e)
+        });
+        assert_eq!(
+            out,
+            stream.as_bytes(),
+            "a Responses stream passes unchanged"
+        );
+        (events, fwd)
+    }
+
+    #[test]
+    fn responses_commit_at_the_first_content_event() {
+        let d = Dialect::Responses;
+        let (events, _) = responses_events(&[R_CREATED, R_PROGRESS].concat());
+        assert_eq!(d.opening(&events), Opening::Wait, "lifecycle events hold");
+        let (events, _) = responses_events(&[R_CREATED, R_PROGRESS, R_DELTA].concat());
+        assert_eq!(d.opening(&events), Opening::Commit);
+        let (events, _) = responses_events(&[R_CREATED, R_ERROR].concat());
+        assert_eq!(d.opening(&events), Opening::Fail, "error after created");
+        let (events, _) = responses_events(&[R_CREATED, R_PROGRESS, R_FAILED].concat());
+        assert_eq!(d.opening(&events), Opening::Fail, "failed before content");
+        let (events, _) = responses_events(&[R_CREATED, R_DELTA, R_ERROR].concat());
+        assert_eq!(
+            d.opening(&events),
+            Opening::Commit,
+            "an error after content is the client's"
+        );
+        let (events, _) = responses_events(&[R_CREATED, R_DONE].concat());
+        assert_eq!(
+            d.opening(&events),
+            Opening::Commit,
+            "an answer without output still commits"
+        );
+        // Chat keeps its rule: the first event decides.
+        let chat = |s: &str| {
+            let mut events = Vec::new();
+            SseScanner::new().feed(s.as_bytes(), |e| events.push(e));
+            Dialect::Chat.opening(&events)
+        };
+        assert_eq!(chat(": c\n\n"), Opening::Wait);
+        assert_eq!(
+            chat("data: {\"error\":{\"message\":\"x\"}}\n\n"),
+            Opening::Fail
+        );
+        assert_eq!(chat(&format!("{ROLE}\n\n")), Opening::Commit);
+    }
+
+    #[test]
+    fn responses_stream_events_at_every_split() {
+        let stream = [R_CREATED, R_PROGRESS, R_DELTA, R_DONE].concat();
+        let (whole, fwd) = responses_events(&stream);
+        assert!(fwd.ended_properly());
+        assert_eq!(whole.len(), 4);
+        assert_eq!(whole[0].response_id(), Some("resp_1"));
+        assert_eq!(whole[0].model(), Some("gpt-4.1"));
+        assert!(whole[2].has_content() && !whole[1].has_content());
+        assert_eq!(whole[3].usage().and_then(|u| u.prompt_tokens), Some(5));
+        for cut in 0..=stream.len() {
+            let mut fwd = SseForwarder::for_dialect(Dialect::Responses, false);
+            let mut events = Vec::new();
+            let mut out = Vec::new();
+            for part in [&stream.as_bytes()[..cut], &stream.as_bytes()[cut..]] {
+                out.extend_from_slice(
+                    &fwd.forward(Bytes::copy_from_slice(part), |e| events.push(e)),
+                );
+            }
+            out.extend_from_slice(&fwd.finish(|e| events.push(e)));
+            assert_eq!(events, whole, "split at {cut}");
+            assert_eq!(out, stream.as_bytes());
+        }
+    }
+
+    #[test]
+    fn responses_error_event_follows_the_last_sequence_number() {
+        let (_, fwd) = responses_events(&[R_CREATED, R_PROGRESS, R_DELTA].concat());
+        assert!(!fwd.ended_properly(), "no terminal event yet");
+        let e = fwd.error_event("cut", "server_error", "upstream_stream_error");
+        let text = std::str::from_utf8(&e).unwrap();
+        assert!(
+            text.starts_with("event: error\ndata: {\"type\":\"error\""),
+            "{text}"
+        );
+        assert!(text.contains("\"sequence_number\":3"), "{text}");
+        let chat = SseForwarder::new(false);
+        assert!(chat.ended_properly());
+        assert!(
+            chat.error_event("cut", "server_error", "x")
+                .starts_with(b"data: {\"error\"")
+        );
+    }
+
+    #[test]
+    fn complete_responses_streams_are_cacheable_only_when_completed() {
+        use crate::cache_key::clean_sse;
+        let whole = |parts: &[&str]| clean_sse(&[Bytes::from(parts.concat())]);
+        assert!(whole(&[R_CREATED, R_DELTA, R_DONE]));
+        assert!(!whole(&[R_CREATED, R_DELTA]));
+        assert!(!whole(&[R_CREATED, R_FAILED]));
+        assert!(!whole(&[R_CREATED, R_DELTA, R_ERROR]));
     }
 }

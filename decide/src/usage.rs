@@ -34,17 +34,23 @@ impl Price {
     }
 }
 
-/// Usage of a non-stream response body (`usage.prompt_tokens`, …), if it reports one.
+/// Usage of a non-stream response body (`usage.prompt_tokens`, …, or the Responses API's
+/// `usage.input_tokens`, …), if it reports one.
 pub fn parse_usage(body: &[u8]) -> Option<Usage> {
     #[derive(serde::Deserialize)]
     struct Body {
         usage: Option<RawUsage>,
     }
     #[derive(serde::Deserialize)]
+    // The Responses API names the same counts `input_tokens`, `output_tokens`, ….
     struct RawUsage {
+        #[serde(alias = "input_tokens")]
         prompt_tokens: Option<u64>,
+        #[serde(alias = "output_tokens")]
         completion_tokens: Option<u64>,
+        #[serde(alias = "input_tokens_details")]
         prompt_tokens_details: Option<PromptDetails>,
+        #[serde(alias = "output_tokens_details")]
         completion_tokens_details: Option<CompletionDetails>,
     }
     #[derive(serde::Deserialize)]
@@ -93,5 +99,14 @@ mod tests {
         };
         // 1000 × 2 + 500 × 0.5 + 250 × 8 = 4250 per million.
         assert_eq!(price.cost(&usage), "0.00425".parse::<Decimal>().unwrap());
+    }
+
+    #[test]
+    fn responses_usage_names() {
+        let u = parse_usage(br#"{"id":"resp_1","usage":{"input_tokens":10,"input_tokens_details":{"cached_tokens":3},"output_tokens":4,"output_tokens_details":{"reasoning_tokens":2},"total_tokens":14}}"#).unwrap();
+        assert_eq!(
+            (u.input, u.cached_input, u.output, u.reasoning),
+            (10, 3, 4, 2)
+        );
     }
 }

@@ -404,3 +404,87 @@ async fn brownout_windows_raise_errors() {
     assert!(s.brownout_active);
     assert_eq!(s.outcome("fault_503"), 5);
 }
+
+/// `/v1/responses`: a whole response, a typed event stream ending in `response.completed`
+/// (no `[DONE]`), `response.incomplete` at the output cap, and the faults before content
+/// (`fail-before-content`: created, in progress, then `response.failed`) and after it
+/// (`drop`: the stream is cut after some deltas).
+#[tokio::test]
+async fn responses_api_stream_and_not_with_faults() {
+    let sim = start_sim(&Profile::default(), 42).await;
+    let c = client();
+    let url = format!("{}/responses", sim.base_url());
+    let (status, h, body) = post_text(
+        &c,
+        &url,
+        r#"{"model":"m","input":"hello there","max_output_tokens":3}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(h["content-type"], "application/json");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "incomplete");
+    assert!(v["id"].as_str().expect("id").starts_with("resp_"));
+    assert_eq!(v["usage"]["output_tokens"], 3);
+    assert_eq!(v["usage"]["input_tokens"], 3, "11 chars / 4");
+
+    let stream = r#"{"model":"m","input":"hello","stream":true,"max_output_tokens":50}"#;
+    let (status, h, body) = post_text(&c, &url, stream, &[("x-sim-tokens", "4")]).await;
+    assert_eq!(status, 200);
+    assert_eq!(h["content-type"], "text/event-stream");
+    let types: Vec<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| {
+            let v: serde_json::Value = serde_json::from_str(d).expect("json");
+            v["type"].as_str().expect("type").to_owned()
+        })
+        .collect();
+    assert_eq!(types.first().map(String::as_str), Some("response.created"));
+    assert_eq!(types.last().map(String::as_str), Some("response.completed"));
+    assert_eq!(
+        types
+            .iter()
+            .filter(|t| *t == "response.output_text.delta")
+            .count(),
+        4
+    );
+    assert!(!body.contains("[DONE]"));
+
+    let (status, _, body) =
+        post_text(&c, &url, stream, &[("x-sim-fault", "fail-before-content")]).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("event: response.failed"));
+    assert!(!body.contains("output_text.delta"));
+
+    let resp = common::post(
+        &c,
+        &url,
+        stream,
+        &[("x-sim-fault", "drop"), ("x-sim-tokens", "6")],
+    )
+    .await
+    .expect("response");
+    assert_eq!(resp.status(), 200);
+    let mut body_stream = resp.into_body();
+    let mut body = String::new();
+    let mut cut = false;
+    while let Some(frame) = http_body_util::BodyExt::frame(&mut body_stream).await {
+        match frame {
+            Ok(f) => body.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    assert!(cut, "the body ends in an error");
+    assert!(
+        body.contains("response.output_text.delta"),
+        "content came first"
+    );
+    assert!(!body.contains("response.completed"), "then the cut");
+    assert_eq!(sim.stats().outcome("fault_drop"), 1);
+}

@@ -653,6 +653,10 @@ pub enum Fault {
     Drop,
     /// Headers, then silence.
     Stall,
+    /// A stream that fails in-band before any content: a chat stream's first event is an
+    /// error chunk; a Responses stream sends `response.created` and `response.in_progress`,
+    /// then `response.failed`. Non-stream requests get a 500.
+    FailBeforeContent,
 }
 
 impl Fault {
@@ -666,6 +670,7 @@ impl Fault {
             "reset" => Self::Reset,
             "drop" => Self::Drop,
             "stall" => Self::Stall,
+            "fail-before-content" => Self::FailBeforeContent,
             _ => return None,
         })
     }

@@ -28,6 +28,8 @@ pub(crate) enum Api {
     Chat,
     /// `/v1/completions`
     Completion,
+    /// `/v1/responses`
+    Responses,
 }
 
 /// Token accounting for a `usage` block.
@@ -65,9 +67,14 @@ pub(crate) fn json_string(s: &str) -> String {
 #[derive(Debug)]
 pub(crate) struct StreamRenderer {
     api: Api,
-    /// `data: {"id":...,"model":...,"choices":[` — everything before the choice.
+    /// `data: {"id":...,"model":...,"choices":[` — everything before the choice. For the
+    /// Responses API: the response object's fixed members (`"id":…,…,"model":…`).
     head: String,
     include_usage: bool,
+    /// Responses API: the next event's `sequence_number`, and the text so far (its
+    /// `….done` events repeat it whole).
+    seq: u64,
+    text: String,
 }
 
 impl StreamRenderer {
@@ -82,6 +89,20 @@ impl StreamRenderer {
         let object = match api {
             Api::Chat => "chat.completion.chunk",
             Api::Completion => "text_completion",
+            Api::Responses => {
+                let mut head = String::with_capacity(160 + model_json.len());
+                let _ = write!(
+                    head,
+                    r#""id":"{id}","object":"response","created_at":{created},"model":{model_json},"parallel_tool_calls":true,"tool_choice":"auto","tools":[],"error":null"#
+                );
+                return Self {
+                    api,
+                    head,
+                    include_usage: false,
+                    seq: 0,
+                    text: String::new(),
+                };
+            }
         };
         let _ = write!(
             head,
@@ -91,7 +112,105 @@ impl StreamRenderer {
             api,
             head,
             include_usage,
+            seq: 0,
+            text: String::new(),
         }
+    }
+
+    /// One Responses event: `event: {kind}` and its data, `{"type":…,"sequence_number":…`
+    /// followed by `rest` (which closes the object).
+    fn event(&mut self, out: &mut BytesMut, kind: &str, rest: &str) {
+        let _ = out.write_fmt(format_args!(
+            "event: {kind}\ndata: {{\"type\":\"{kind}\",\"sequence_number\":{}{rest}\n\n",
+            self.seq
+        ));
+        self.seq += 1;
+    }
+
+    /// The response object in a given state.
+    fn response(&self, status: &str, output: &str, usage: Option<Usage>) -> String {
+        let mut r = String::with_capacity(self.head.len() + output.len() + 200);
+        let _ = write!(
+            r,
+            "{{{},\"status\":\"{status}\",\"output\":[{output}]",
+            self.head
+        );
+        if status == "incomplete" {
+            r.push_str(r#","incomplete_details":{"reason":"max_output_tokens"}"#);
+        } else {
+            r.push_str(r#","incomplete_details":null"#);
+        }
+        match usage {
+            Some(u) => {
+                let _ = write!(
+                    r,
+                    r#","usage":{{"input_tokens":{},"input_tokens_details":{{"cached_tokens":0}},"output_tokens":{},"output_tokens_details":{{"reasoning_tokens":0}},"total_tokens":{}}}}}"#,
+                    u.prompt,
+                    u.completion,
+                    u.prompt + u.completion
+                );
+            }
+            None => r.push_str(r#","usage":null}"#),
+        }
+        r
+    }
+
+    fn message_item(&self, status: &str, text: Option<&str>) -> String {
+        let content = text.map_or(String::new(), |t| {
+            format!(r#"{{"type":"output_text","text":"{t}","annotations":[]}}"#)
+        });
+        format!(
+            r#"{{"type":"message","id":"msg_{}","status":"{status}","role":"assistant","content":[{content}]}}"#,
+            self.id_suffix()
+        )
+    }
+
+    fn id_suffix(&self) -> &str {
+        // `"id":"resp_…"` opens the head.
+        self.head
+            .strip_prefix("\"id\":\"resp_")
+            .and_then(|s| s.split('"').next())
+            .unwrap_or("sim")
+    }
+
+    /// The opening of a Responses stream: created, in progress, the message and its part.
+    fn open_response(&mut self, out: &mut BytesMut) {
+        let created = format!(",\"response\":{}}}", self.response("in_progress", "", None));
+        self.event(out, "response.created", &created);
+        let progress = format!(",\"response\":{}}}", self.response("in_progress", "", None));
+        self.event(out, "response.in_progress", &progress);
+        let item = format!(
+            ",\"output_index\":0,\"item\":{}}}",
+            self.message_item("in_progress", None)
+        );
+        self.event(out, "response.output_item.added", &item);
+        let part = format!(
+            r#","item_id":"msg_{}","output_index":0,"content_index":0,"part":{{"type":"output_text","text":"","annotations":[]}}}}"#,
+            self.id_suffix()
+        );
+        self.event(out, "response.content_part.added", &part);
+    }
+
+    /// The `fail-before-content` fault: a chat stream's first event is an error chunk; a
+    /// Responses stream opens and then fails (`response.failed`, with its usage).
+    pub(crate) fn fail_before_content(&mut self, out: &mut BytesMut, usage: Usage) {
+        if self.api != Api::Responses {
+            out.put_slice(br#"data: {"error":{"message":"The server had an error while processing your request.","type":"server_error","param":null,"code":null}}"#);
+            out.put_slice(b"\n\n");
+            return;
+        }
+        let created = format!(",\"response\":{}}}", self.response("in_progress", "", None));
+        self.event(out, "response.created", &created);
+        let progress = format!(",\"response\":{}}}", self.response("in_progress", "", None));
+        self.event(out, "response.in_progress", &progress);
+        let failed = self
+            .response("failed", "", Some(Usage { prompt: usage.prompt, completion: 0 }))
+            .replacen(
+                r#","error":null"#,
+                r#","error":{"code":"server_error","message":"The model failed to generate a response."}"#,
+                1,
+            );
+        self.event(out, "response.failed", &format!(",\"response\":{failed}}}"));
     }
 
     fn open(&self, out: &mut BytesMut) {
@@ -108,7 +227,10 @@ impl StreamRenderer {
     }
 
     /// The first frame(s): for chat, the role announcement, then the first token.
-    pub(crate) fn first(&self, out: &mut BytesMut, text: &str) {
+    pub(crate) fn first(&mut self, out: &mut BytesMut, text: &str) {
+        if self.api == Api::Responses {
+            self.open_response(out);
+        }
         if self.api == Api::Chat {
             self.open(out);
             out.put_slice(br#"{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}"#);
@@ -118,7 +240,16 @@ impl StreamRenderer {
     }
 
     /// One content frame.
-    pub(crate) fn token(&self, out: &mut BytesMut, text: &str) {
+    pub(crate) fn token(&mut self, out: &mut BytesMut, text: &str) {
+        if self.api == Api::Responses {
+            self.text.push_str(text);
+            let delta = format!(
+                r#","item_id":"msg_{}","output_index":0,"content_index":0,"delta":"{text}"}}"#,
+                self.id_suffix()
+            );
+            self.event(out, "response.output_text.delta", &delta);
+            return;
+        }
         self.open(out);
         match self.api {
             Api::Chat => {
@@ -131,12 +262,45 @@ impl StreamRenderer {
                 out.put_slice(text.as_bytes());
                 out.put_slice(br#"","index":0,"logprobs":null,"finish_reason":null}"#);
             }
+            Api::Responses => {}
         }
         self.close(out);
     }
 
+    /// The end of a Responses stream: the text, part and item done, then
+    /// `response.completed` (`response.incomplete` when the output was cut at its cap).
+    fn finish_response(&mut self, out: &mut BytesMut, reason: &str, usage: Usage) {
+        let text = std::mem::take(&mut self.text);
+        let suffix = self.id_suffix().to_owned();
+        let done = format!(
+            r#","item_id":"msg_{suffix}","output_index":0,"content_index":0,"text":"{text}"}}"#
+        );
+        self.event(out, "response.output_text.done", &done);
+        let part = format!(
+            r#","item_id":"msg_{suffix}","output_index":0,"content_index":0,"part":{{"type":"output_text","text":"{text}","annotations":[]}}}}"#
+        );
+        self.event(out, "response.content_part.done", &part);
+        let item = self.message_item("completed", Some(&text));
+        self.event(
+            out,
+            "response.output_item.done",
+            &format!(",\"output_index\":0,\"item\":{item}}}"),
+        );
+        let (kind, status) = if reason == "length" {
+            ("response.incomplete", "incomplete")
+        } else {
+            ("response.completed", "completed")
+        };
+        let response = self.response(status, &item, Some(usage));
+        self.event(out, kind, &format!(",\"response\":{response}}}"));
+    }
+
     /// The finish frame, the usage-only frame when asked for, and `[DONE]`.
-    pub(crate) fn finish(&self, out: &mut BytesMut, reason: &str, usage: Usage) {
+    pub(crate) fn finish(&mut self, out: &mut BytesMut, reason: &str, usage: Usage) {
+        if self.api == Api::Responses {
+            self.finish_response(out, reason, usage);
+            return;
+        }
         self.open(out);
         match self.api {
             Api::Chat => {
@@ -149,6 +313,7 @@ impl StreamRenderer {
                     r#"{{"text":"","index":0,"logprobs":null,"finish_reason":"{reason}"}}"#
                 ));
             }
+            Api::Responses => {}
         }
         self.close(out);
         if self.include_usage {
@@ -204,6 +369,17 @@ pub(crate) fn completion_json(
                 out,
                 r#"{{"id":"{id}","object":"text_completion","created":{created},"model":{model_json},"choices":[{{"text":"{text}","index":0,"logprobs":null,"finish_reason":"{reason}"}}],"usage":"#
             );
+        }
+        Api::Responses => {
+            let mut r = StreamRenderer::new(api, id, created, model_json, false);
+            let item = r.message_item("completed", Some(&text));
+            let status = if reason == "length" {
+                "incomplete"
+            } else {
+                "completed"
+            };
+            r.text.clear();
+            return Bytes::from(r.response(status, &item, Some(usage)));
         }
     }
     usage.write(&mut out);
@@ -267,7 +443,7 @@ mod tests {
 
     #[test]
     fn chunks_are_valid_json() {
-        let r = StreamRenderer::new(Api::Chat, "chatcmpl-1", 5, &json_string("m\"x"), true);
+        let mut r = StreamRenderer::new(Api::Chat, "chatcmpl-1", 5, &json_string("m\"x"), true);
         let mut out = BytesMut::new();
         r.first(&mut out, token_text(0, 0));
         r.token(&mut out, token_text(0, 1));
@@ -289,6 +465,105 @@ mod tests {
         }
         assert_eq!(frames[5], "data: [DONE]");
         assert!(frames[4].contains(r#""choices":[],"usage":{"prompt_tokens":3"#));
+    }
+
+    /// A Responses stream: typed events in `sequence_number` order, no `[DONE]`, the text
+    /// repeated whole by its `….done` events, usage in the terminal event (`response.incomplete`
+    /// when the output hit its cap), and an opening that fails before content for the fault.
+    #[test]
+    fn responses_events_are_typed_and_numbered() {
+        for (reason, terminal) in [
+            ("stop", "response.completed"),
+            ("length", "response.incomplete"),
+        ] {
+            let mut r =
+                StreamRenderer::new(Api::Responses, "resp_1", 5, &json_string("m\"x"), true);
+            let mut out = BytesMut::new();
+            r.first(&mut out, token_text(0, 0));
+            r.token(&mut out, token_text(0, 1));
+            r.finish(
+                &mut out,
+                reason,
+                Usage {
+                    prompt: 3,
+                    completion: 2,
+                },
+            );
+            let text = String::from_utf8(out.to_vec()).expect("utf8");
+            let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
+            let kinds: Vec<String> = frames
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    let (event, data) = f.split_once('\n').expect("two lines");
+                    let v: serde_json::Value =
+                        serde_json::from_str(data.strip_prefix("data: ").expect("data"))
+                            .expect("json");
+                    assert_eq!(event.strip_prefix("event: "), v["type"].as_str());
+                    assert_eq!(v["sequence_number"], i as u64);
+                    v["type"].as_str().unwrap_or_default().to_owned()
+                })
+                .collect();
+            assert_eq!(
+                kinds,
+                [
+                    "response.created",
+                    "response.in_progress",
+                    "response.output_item.added",
+                    "response.content_part.added",
+                    "response.output_text.delta",
+                    "response.output_text.delta",
+                    "response.output_text.done",
+                    "response.content_part.done",
+                    "response.output_item.done",
+                    terminal,
+                ]
+            );
+            let last: serde_json::Value =
+                serde_json::from_str(frames[9].split_once("data: ").expect("data").1)
+                    .expect("json");
+            assert_eq!(last["response"]["usage"]["input_tokens"], 3);
+            assert_eq!(last["response"]["usage"]["output_tokens"], 2);
+            assert_eq!(last["response"]["model"], "m\"x");
+            assert_eq!(
+                last["response"]["output"][0]["content"][0]["text"],
+                "the quick"
+            );
+            assert!(!text.contains("[DONE]"));
+        }
+        let mut r = StreamRenderer::new(Api::Responses, "resp_2", 5, &json_string("m"), false);
+        let mut out = BytesMut::new();
+        r.fail_before_content(
+            &mut out,
+            Usage {
+                prompt: 3,
+                completion: 0,
+            },
+        );
+        let text = String::from_utf8(out.to_vec()).expect("utf8");
+        assert!(text.starts_with("event: response.created\n"));
+        assert!(text.contains("event: response.failed\n"));
+        assert!(!text.contains("output_text.delta"));
+        let body = completion_json(
+            Meta {
+                api: Api::Responses,
+                id: "resp_3",
+                created: 1,
+                model_json: &json_string("m"),
+            },
+            0,
+            2,
+            "stop",
+            Usage {
+                prompt: 3,
+                completion: 2,
+            },
+        );
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["object"], "response");
+        assert_eq!(v["status"], "completed");
+        assert_eq!(v["output"][0]["content"][0]["text"], "the quick");
+        assert_eq!(v["usage"]["total_tokens"], 5);
     }
 
     #[test]

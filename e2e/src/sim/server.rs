@@ -85,6 +85,7 @@ fn fault_code(fault: Option<Fault>) -> u8 {
         Some(Fault::Reset) => 5,
         Some(Fault::Drop) => 6,
         Some(Fault::Stall) => 7,
+        Some(Fault::FailBeforeContent) => 8,
     }
 }
 
@@ -97,6 +98,7 @@ fn fault_from_code(code: u8) -> Option<Fault> {
         5 => Fault::Reset,
         6 => Fault::Drop,
         7 => Fault::Stall,
+        8 => Fault::FailBeforeContent,
         _ => return None,
     })
 }
@@ -469,6 +471,7 @@ async fn handle(
         "/v1/chat/completions" => Endpoint::ChatCompletions,
         "/v1/completions" => Endpoint::Completions,
         "/v1/embeddings" => Endpoint::Embeddings,
+        "/v1/responses" => Endpoint::Responses,
         "/v1/models" => Endpoint::Models,
         "/healthz" => Endpoint::Healthz,
         "/sim/stats" if method == Method::GET => {
@@ -522,6 +525,7 @@ async fn handle(
         }
         Endpoint::ChatCompletions => generate(&state, req, Api::Chat).await,
         Endpoint::Completions => generate(&state, req, Api::Completion).await,
+        Endpoint::Responses => generate(&state, req, Api::Responses).await,
         Endpoint::Embeddings => embeddings(&state, req).await,
         Endpoint::Other => Ok(Response::new(SimBody::empty())),
     }
@@ -602,6 +606,11 @@ struct GenRequest {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    /// Responses API: the input (a string or a list of items).
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -705,7 +714,7 @@ fn fault_response(
             guard.finish(Some(Outcome::FaultReset));
             Some(Err(ResetConnection))
         }
-        Fault::None | Fault::Drop | Fault::Stall => None,
+        Fault::None | Fault::Drop | Fault::Stall | Fault::FailBeforeContent => None,
     }
 }
 
@@ -794,6 +803,18 @@ async fn generate(
                 ));
             }
         },
+        Api::Responses => match &parsed.input {
+            Some(i) => text_chars(i),
+            None => {
+                guard.finish(Some(Outcome::BadRequest));
+                return Ok(error_response(
+                    StatusCode::BAD_REQUEST,
+                    "Missing required parameter: 'input'.",
+                    "invalid_request_error",
+                    Some("missing_required_parameter"),
+                ));
+            }
+        },
         Api::Completion => match &parsed.prompt {
             Some(p) => text_chars(p),
             None => {
@@ -812,6 +833,7 @@ async fn generate(
     let cap = parsed
         .max_completion_tokens
         .or(parsed.max_tokens)
+        .or(parsed.max_output_tokens)
         .map(|c| c.max(1));
     let cond = state.conditions();
     let fate = keyed
@@ -898,6 +920,7 @@ async fn generate(
     let id = match api {
         Api::Chat => format!("chatcmpl-sim{n:012x}"),
         Api::Completion => format!("cmpl-sim{n:012x}"),
+        Api::Responses => format!("resp_sim{n:012x}"),
     };
     let created = unix_now();
     let model_json = json_string(&parsed.model);
@@ -909,7 +932,18 @@ async fn generate(
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
-        let renderer = StreamRenderer::new(api, &id, created, &model_json, include_usage);
+        let mut renderer = StreamRenderer::new(api, &id, created, &model_json, include_usage);
+        if fault == Fault::FailBeforeContent {
+            state.stats.record_outcome(Outcome::Fault500);
+            guard.finish(None);
+            let mut out = bytes::BytesMut::new();
+            renderer.fail_before_content(&mut out, usage);
+            let mut resp = Response::new(SimBody::full(out.freeze()));
+            let h = resp.headers_mut();
+            h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+            h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            return Ok(resp);
+        }
         if fault == Fault::Stall {
             state.stats.record_outcome(Outcome::FaultStall);
             return Ok(stall_response("text/event-stream", renderer, guard));
@@ -946,6 +980,15 @@ async fn generate(
         state.stats.record_outcome(Outcome::FaultStall);
         let renderer = StreamRenderer::new(api, &id, created, &model_json, false);
         return Ok(stall_response("application/json", renderer, guard));
+    }
+    if fault == Fault::FailBeforeContent {
+        guard.finish(Some(Outcome::Fault500));
+        return Ok(error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "The server had an error while processing your request. Sorry about that!",
+            "server_error",
+            None,
+        ));
     }
     // A non-streamed answer arrives when the last token would have been generated.
     let mut total = ttft;

@@ -23,6 +23,8 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/embeddings`
     Embeddings,
+    /// `POST /v1/responses`
+    Responses,
     /// `GET /v1/models`
     Models,
     /// `GET /healthz`
@@ -32,10 +34,11 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::ChatCompletions,
         Self::Completions,
         Self::Embeddings,
+        Self::Responses,
         Self::Models,
         Self::Healthz,
         Self::Other,
@@ -46,6 +49,7 @@ impl Endpoint {
             Self::ChatCompletions => "chat_completions",
             Self::Completions => "completions",
             Self::Embeddings => "embeddings",
+            Self::Responses => "responses",
             Self::Models => "models",
             Self::Healthz => "healthz",
             Self::Other => "other",

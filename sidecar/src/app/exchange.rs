@@ -69,6 +69,9 @@ impl Exchange {
     /// Whether the sidecar asks providers for the stream's usage chunk on the client's
     /// behalf (and strips it from what the client sees).
     pub fn strips_usage(&self, body: &RequestBody<'_>) -> bool {
-        self.stream && self.route.settings.include_usage && !body.client_wants_usage
+        self.stream
+            && self.endpoint.asks_usage()
+            && self.route.settings.include_usage
+            && !body.client_wants_usage
     }
 }

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use tailwarden_decide::{
     capabilities::Decision,
     retry::{self, FailureKind},
-    sse::{SseEvent, SseForwarder},
+    sse::{Opening, SseEvent, SseForwarder},
     usage::{Usage, parse_usage},
 };
 use tokio::time::Instant;
@@ -238,9 +238,11 @@ async fn attempt_inner(
         .is_some_and(|v| v.starts_with("text/event-stream"));
 
     if is_sse {
-        // Hold bytes until the first complete frame: an error event before any content is
-        // a failed attempt, still retryable because the client has seen nothing.
-        let mut forwarder = SseForwarder::new(call.strip_usage);
+        // Hold bytes until the stream commits (chat: its first event; Responses: its first
+        // content event): an error before that is a failed attempt, still retryable
+        // because the client has seen nothing.
+        let dialect = call.ex.endpoint.dialect();
+        let mut forwarder = SseForwarder::for_dialect(dialect, call.strip_usage);
         let mut held = VecDeque::new();
         let mut events = Vec::new();
         loop {
@@ -260,28 +262,15 @@ async fn attempt_inner(
                     if !out.is_empty() {
                         held.push_back(out);
                     }
-                    let has_event = events.iter().any(|e| !matches!(e, SseEvent::Comment));
-                    if has_event {
-                        let error_first = events
-                            .iter()
-                            .find(|e| !matches!(e, SseEvent::Comment))
-                            .is_some_and(|e| {
-                                matches!(
-                                    e,
-                                    SseEvent::Data {
-                                        error: true,
-                                        has_content: false,
-                                        ..
-                                    }
-                                )
-                            });
-                        if error_first {
+                    match dialect.opening(&events) {
+                        Opening::Wait => {}
+                        Opening::Commit => break,
+                        Opening::Fail => {
                             return Err(failure(
                                 FailureKind::Status(500),
-                                "the stream started with an error event",
+                                "the stream failed before its first content event",
                             ));
                         }
-                        break;
                     }
                 }
             }

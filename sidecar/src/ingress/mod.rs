@@ -134,7 +134,7 @@ async fn proxy(
     });
     tokio::select! {
         response = &mut pending => Ok(response),
-        () = tokio::time::sleep(interval) => Ok(heartbeat_response(pending, interval)),
+        () = tokio::time::sleep(interval) => Ok(heartbeat_response(pending, interval, endpoint.dialect())),
     }
 }
 

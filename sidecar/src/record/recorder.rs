@@ -172,13 +172,13 @@ impl Recorder {
         if matches!(event, SseEvent::Done) {
             self.done_seen = true;
         }
-        if let SseEvent::Data { model: Some(m), .. } = event
+        if let Some(m) = event.model()
             && self.response_model.is_none()
             && !self.info.span.is_none()
         {
-            self.response_model = Some(m.clone());
+            self.response_model = Some(m.to_owned());
         }
-        if let SseEvent::Data { usage: Some(u), .. } = event {
+        if let Some(u) = event.usage() {
             self.usage = Some(Usage {
                 input: u.prompt_tokens.unwrap_or(0),
                 cached_input: u.cached_tokens.unwrap_or(0),

@@ -27,7 +27,8 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tailwarden_decide::{
     error::ApiError,
-    sse::{self, SseEvent, SseForwarder},
+    responses,
+    sse::{self, Dialect, SseEvent, SseForwarder},
 };
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -116,16 +117,23 @@ pub type PendingResponse = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Se
 /// bytes follow, or its error as an SSE error event.
 pub struct Heartbeat {
     pending: Option<PendingResponse>,
+    /// How the stream's in-band error reads, should the response fail.
+    dialect: Dialect,
     ticker: tokio::time::Interval,
     inner: Option<ProxyBody>,
 }
 
 /// Commits a 200 event stream that pings every `interval` until `pending` resolves.
-pub fn heartbeat_response(pending: PendingResponse, interval: Duration) -> Response<ProxyBody> {
+pub fn heartbeat_response(
+    pending: PendingResponse,
+    interval: Duration,
+    dialect: Dialect,
+) -> Response<ProxyBody> {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let body = ProxyBody::Heartbeat(Box::new(Heartbeat {
         pending: Some(pending),
+        dialect,
         ticker,
         inner: None,
     }));
@@ -163,7 +171,9 @@ impl Heartbeat {
                         ProxyBody::Full(Some(b)) => b,
                         _ => Bytes::new(),
                     };
-                    let event = if serde_json::from_slice::<serde_json::Value>(&bytes)
+                    let event = if self.dialect == Dialect::Responses {
+                        responses_error(status, &bytes)
+                    } else if serde_json::from_slice::<serde_json::Value>(&bytes)
                         .is_ok_and(|v| v.get("error").is_some())
                     {
                         let mut e = Vec::with_capacity(bytes.len() + 8);
@@ -192,6 +202,31 @@ impl Heartbeat {
             }
         }
     }
+}
+
+/// A failed response, after heartbeats committed a Responses stream: an `error` event
+/// with the error body's code and message (OpenAI's `ResponseErrorEvent`).
+fn responses_error(status: http::StatusCode, body: &[u8]) -> Bytes {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        error: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        message: Option<String>,
+        code: Option<String>,
+        #[serde(rename = "type")]
+        kind: Option<String>,
+    }
+    let parsed = serde_json::from_slice::<Body>(body).ok().map(|b| b.error);
+    let message = parsed
+        .as_ref()
+        .and_then(|e| e.message.clone())
+        .unwrap_or_else(|| format!("The request failed with status {status}."));
+    let code = parsed
+        .and_then(|e| e.code.or(e.kind))
+        .unwrap_or_else(|| "upstream_error".to_owned());
+    responses::error_event(&message, &code, None)
 }
 
 impl std::fmt::Debug for ProxyBody {
@@ -302,12 +337,11 @@ impl<O: Observer> Relay<O> {
         self.upstream = None;
         self.held.clear();
         self.observers.on_end(End::Failed(code));
-        if self.forwarder.is_some() {
-            self.forwarder = None;
-            Poll::Ready(Some(Ok(Frame::data(sse::error_event(
+        if let Some(forwarder) = self.forwarder.take() {
+            Poll::Ready(Some(Ok(Frame::data(forwarder.error_event(
                 message,
                 "server_error",
-                Some(code),
+                code,
             )))))
         } else {
             Poll::Ready(Some(Err(BodyError::Deadline(message))))
@@ -372,6 +406,18 @@ impl<O: Observer + Unpin> Body for Relay<O> {
                     );
                 }
                 Poll::Ready(None) => {
+                    if relay
+                        .forwarder
+                        .as_ref()
+                        .is_some_and(|f| !f.ended_properly())
+                    {
+                        // A Responses stream closed before its terminal event: cut short,
+                        // and the client must hear so.
+                        return relay.fail(
+                            "The provider ended the stream before its final event.",
+                            "upstream_stream_error",
+                        );
+                    }
                     relay.upstream = None;
                     let mut rest = Bytes::new();
                     if let Some(forwarder) = relay.forwarder.as_mut() {

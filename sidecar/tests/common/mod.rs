@@ -60,6 +60,8 @@ pub enum StreamEnd {
 /// What the upstream saw.
 #[derive(Debug, Clone)]
 pub struct Seen {
+    /// The request's method and path (`POST /v1/responses`).
+    pub path: String,
     pub body: String,
     pub headers: http::HeaderMap,
     pub at: Instant,
@@ -137,6 +139,7 @@ where
                     async move {
                         let n = r.fetch_add(1, Ordering::SeqCst);
                         let headers = req.headers().clone();
+                        let path = format!("{} {}", req.method(), req.uri().path());
                         let body = req
                             .into_body()
                             .collect()
@@ -145,6 +148,7 @@ where
                             .unwrap_or_default();
                         let body = String::from_utf8_lossy(&body).into_owned();
                         s.lock().unwrap().push(Seen {
+                            path,
                             body: body.clone(),
                             headers,
                             at: Instant::now(),

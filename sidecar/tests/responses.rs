@@ -1,0 +1,389 @@
+//! The Responses API (`POST /v1/responses`) through the real request path: routed like
+//! chat, sent to the provider's `/responses` unchanged (no `stream_options` added), a stream
+//! committed only at its first content event — so `response.failed`, an `error` or a reset
+//! after `response.created` still fails over to the other provider and the client sees one
+//! complete stream — and a failure after content ends the stream with a well-formed
+//! `error` event numbered after the last one. Usage from every terminal event (completed,
+//! incomplete, failed) and estimated for a client that leaves; the exact cache only for
+//! stateless requests.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::{
+    io::Write,
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use common::*;
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+fn log_lines() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let sink = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_env_filter("tailwarden::access=info")
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        buffer
+    })
+}
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+async fn access_line(id: &str) -> Value {
+    let find = || {
+        let text = String::from_utf8(log_lines().lock().unwrap().clone()).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["request_id"] == id)
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || find().is_some()).await,
+        "no access log line for {id}"
+    );
+    find().unwrap()
+}
+
+/// One Responses SSE event.
+fn ev(kind: &str, seq: u64, extra: Value) -> String {
+    let mut data = json!({"type": kind, "sequence_number": seq});
+    if let (Value::Object(d), Value::Object(e)) = (&mut data, extra) {
+        d.extend(e);
+    }
+    format!("event: {kind}\ndata: {data}\n\n")
+}
+
+fn created(seq: u64) -> String {
+    ev(
+        "response.created",
+        seq,
+        json!({"response": {"id": "resp_a", "object": "response", "model": "m", "status": "in_progress", "output": [], "usage": null}}),
+    )
+}
+
+fn delta(seq: u64, text: &str) -> String {
+    ev(
+        "response.output_text.delta",
+        seq,
+        json!({"item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": text}),
+    )
+}
+
+fn terminal(kind: &str, seq: u64, id: &str) -> String {
+    let status = kind.trim_start_matches("response.");
+    ev(
+        kind,
+        seq,
+        json!({"response": {"id": id, "object": "response", "model": "m", "status": status,
+            "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 3},
+                      "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 16}}}),
+    )
+}
+
+fn stream(chunks: Vec<String>, end: StreamEnd) -> Script {
+    Script::Stream {
+        first_delay: Duration::ZERO,
+        chunks: chunks.into_iter().map(|c| (Duration::ZERO, c)).collect(),
+        end,
+    }
+}
+
+fn complete_stream(id: &str) -> Vec<String> {
+    vec![
+        created(0).replace("resp_a", id),
+        delta(1, "Hel"),
+        delta(2, "lo"),
+        terminal("response.completed", 3, id),
+    ]
+}
+
+async fn send(sc: &Sidecar, id: &str, body: &Value) -> (u16, http::HeaderMap, String) {
+    let req = Request::post(sc.url("/v1/responses"))
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (
+        status,
+        parts.headers,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+}
+
+/// The `data:` payloads of an SSE body.
+fn events(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+fn two_providers(a: &Upstream, b: &Upstream, extra: &str) -> String {
+    route(
+        &[("a", &a.base_url(), 1, 0), ("b", &b.base_url(), 1, 1)],
+        &format!("  retries: {{maxAttempts: 3, backoff: {{base: 1ms, max: 2ms}}}}\n{extra}"),
+    )
+}
+
+#[tokio::test]
+async fn non_stream_goes_to_the_providers_responses_unchanged() {
+    log_lines();
+    let body = json!({"id": "resp_n", "object": "response", "status": "completed", "model": "m",
+        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi", "annotations": []}]}],
+        "usage": {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9}});
+    let text = body.to_string();
+    let a = upstream(move |_, _| Script::Respond {
+        delay: Duration::ZERO,
+        status: 200,
+        headers: vec![],
+        body: text.clone(),
+    })
+    .await;
+    let sc = sidecar(&route(&[("a", &a.base_url(), 1, 0)], "")).await;
+    let request = json!({"model": "m", "input": "hi", "stream": false});
+    let (status, headers, reply) = send(&sc, "resp-ns", &request).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(serde_json::from_str::<Value>(&reply).unwrap(), body);
+    assert_eq!(headers["x-tailwarden-provider"], "a");
+    let seen = a.seen.lock().unwrap()[0].clone();
+    assert_eq!(seen.path, "POST /v1/responses");
+    assert_eq!(
+        serde_json::from_str::<Value>(&seen.body).unwrap(),
+        request,
+        "forwarded as sent"
+    );
+    let line = access_line("resp-ns").await;
+    assert_eq!(line["input_tokens"], 7);
+    assert_eq!(line["output_tokens"], 2);
+    assert_eq!(line["usage_estimated"], false);
+}
+
+#[tokio::test]
+async fn a_stream_is_not_asked_for_a_usage_chunk() {
+    let a = upstream(|_, _| stream(complete_stream("resp_s"), StreamEnd::Finish)).await;
+    let sc = sidecar(&route(&[("a", &a.base_url(), 1, 0)], "")).await;
+    let request = json!({"model": "m", "input": "hi", "stream": true});
+    let (status, headers, body) = send(&sc, "resp-s", &request).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert_eq!(body, complete_stream("resp_s").concat(), "byte for byte");
+    let seen = a.seen.lock().unwrap()[0].clone();
+    assert_eq!(serde_json::from_str::<Value>(&seen.body).unwrap(), request);
+}
+
+/// `response.failed`, an `error` event, or a reset after `response.created` but before any
+/// content: the client gets one complete stream, from the other provider.
+#[tokio::test]
+async fn failures_before_content_fail_over() {
+    log_lines();
+    let cases: [(&str, Vec<String>, StreamEnd); 3] = [
+        (
+            "failed",
+            vec![
+                created(0),
+                ev(
+                    "response.in_progress",
+                    1,
+                    json!({"response": {"id": "resp_a"}}),
+                ),
+                terminal("response.failed", 2, "resp_a"),
+            ],
+            StreamEnd::Finish,
+        ),
+        (
+            "error",
+            vec![
+                created(0),
+                ev(
+                    "error",
+                    1,
+                    json!({"code": "insufficient_quota", "message": "quota", "param": null}),
+                ),
+            ],
+            StreamEnd::Finish,
+        ),
+        ("reset", vec![created(0)], StreamEnd::Abort),
+    ];
+    for (name, first, end) in cases {
+        let a = upstream(move |_, _| stream(first.clone(), end)).await;
+        let b = upstream(|_, _| stream(complete_stream("resp_b"), StreamEnd::Finish)).await;
+        let sc = sidecar(&two_providers(&a, &b, "")).await;
+        let id = format!("failover-{name}");
+        let (status, headers, body) = send(
+            &sc,
+            &id,
+            &json!({"model": "m", "input": "hi", "stream": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{name}");
+        assert_eq!(headers["x-tailwarden-provider"], "b", "{name}");
+        assert_eq!(headers["x-tailwarden-attempts"], "2", "{name}");
+        assert_eq!(
+            body,
+            complete_stream("resp_b").concat(),
+            "{name}: only b's stream, whole"
+        );
+        assert_eq!((a.count(), b.count()), (1, 1), "{name}");
+        let line = access_line(&id).await;
+        assert_eq!(line["provider"], "b");
+        assert_eq!(line["input_tokens"], 11, "{name}");
+    }
+}
+
+/// After content the client is committed: a reset, a stall past the idle timeout and a
+/// clean close without a terminal event each end the stream with an `error` event
+/// numbered after the last one the client saw — never a silent cut — and nothing is
+/// retried.
+#[tokio::test]
+async fn failures_after_content_end_with_an_error_event() {
+    let cases = [
+        ("reset", StreamEnd::Abort, "upstream_stream_error"),
+        ("closed", StreamEnd::Finish, "upstream_stream_error"),
+        ("stalled", StreamEnd::Stall, "idle_timeout"),
+    ];
+    for (name, end, code) in cases {
+        let a = upstream(move |_, _| stream(vec![created(0), delta(1, "Hel")], end)).await;
+        let b = upstream(|_, _| stream(complete_stream("resp_b"), StreamEnd::Finish)).await;
+        let sc = sidecar(&two_providers(&a, &b, "  timeouts: {idle: 300ms}\n")).await;
+        let (status, _, body) = send(
+            &sc,
+            &format!("after-{name}"),
+            &json!({"model": "m", "input": "hi", "stream": true}),
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert!(
+            body.starts_with(&[created(0), delta(1, "Hel")].concat()),
+            "{name}: {body}"
+        );
+        let last = events(&body).pop().unwrap();
+        assert_eq!(last["type"], "error", "{name}: {body}");
+        assert_eq!(last["code"], code, "{name}");
+        assert_eq!(last["sequence_number"], 2, "{name}");
+        assert!(last["param"].is_null() && last["message"].is_string());
+        assert!(body.contains("event: error\ndata: "), "{name}");
+        assert!(body.ends_with("\n\n"), "{name}");
+        assert_eq!(b.count(), 0, "{name}: never retried after content");
+    }
+}
+
+/// Usage from the terminal event whichever it is; estimated, and the upstream cancelled,
+/// when the client leaves mid-stream.
+#[tokio::test]
+async fn usage_on_every_end() {
+    log_lines();
+    for kind in [
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ] {
+        let chunks = vec![created(0), delta(1, "x"), terminal(kind, 2, "resp_u")];
+        let a = upstream(move |_, _| stream(chunks.clone(), StreamEnd::Finish)).await;
+        let sc = sidecar(&format!(
+            "apiVersion: tailwarden.io/v1alpha1\nkind: InferenceRoute\nmetadata: {{name: test, namespace: t}}\nspec:\n  models: ['*']\n  providers:\n  - name: a\n    baseUrl: '{}'\n    pricing:\n    - {{model: m, inputPerMTok: \"2.00\", cachedInputPerMTok: \"1.00\", outputPerMTok: \"10.00\"}}\n",
+            a.base_url()
+        ))
+        .await;
+        let id = format!("usage-{kind}");
+        let (status, _, body) = send(
+            &sc,
+            &id,
+            &json!({"model": "m", "input": "hi", "stream": true}),
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert!(body.ends_with(&terminal(kind, 2, "resp_u")), "{kind}");
+        let line = access_line(&id).await;
+        assert_eq!(line["input_tokens"], 11, "{kind}");
+        assert_eq!(line["cached_input_tokens"], 3, "{kind}");
+        assert_eq!(line["output_tokens"], 5, "{kind}");
+        assert_eq!(line["reasoning_tokens"], 2, "{kind}");
+        assert_eq!(line["usage_estimated"], false, "{kind}");
+        // 8 × 2 + 3 × 1 + 5 × 10 = 69 per million.
+        assert_eq!(line["cost"], "0.000069", "{kind}");
+    }
+
+    // The client reads the first content event and leaves.
+    let a = upstream(|_, _| stream(vec![created(0), delta(1, "Hel")], StreamEnd::Stall)).await;
+    let sc = sidecar(&route(&[("a", &a.base_url(), 1, 0)], "")).await;
+    let req = Request::post(sc.url("/v1/responses"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "usage-left")
+        .body(http_body_util::Full::new(Bytes::from(
+            json!({"model": "m", "input": "hi", "stream": true}).to_string(),
+        )))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    while !seen.contains("response.output_text.delta") {
+        let frame = body.frame().await.unwrap().unwrap();
+        seen.push_str(&String::from_utf8_lossy(&frame.into_data().unwrap()));
+    }
+    drop(body);
+    let line = access_line("usage-left").await;
+    assert_eq!(line["error_type"], "client_closed");
+    assert_eq!(line["usage_estimated"], true);
+    assert_eq!(line["output_tokens"], 1, "one content event counted");
+    assert!(
+        wait_until(Duration::from_secs(5), || !a.cancellations().is_empty()).await,
+        "the upstream stream is cancelled"
+    );
+}
+
+#[tokio::test]
+async fn only_stateless_requests_are_cached() {
+    let a = upstream(|n, _| Script::Respond {
+        delay: Duration::ZERO,
+        status: 200,
+        headers: vec![],
+        body: json!({"id": format!("resp_{n}"), "object": "response", "status": "completed", "output": []}).to_string(),
+    })
+    .await;
+    let sc = sidecar(&route(
+        &[("a", &a.base_url(), 1, 0)],
+        "  cache:\n    exact: {enabled: true, deterministicOnly: false}\n",
+    ))
+    .await;
+    let stateless = json!({"model": "m", "input": "hi", "store": false});
+    let (_, h1, _) = send(&sc, "c1", &stateless).await;
+    let (_, h2, b2) = send(&sc, "c2", &stateless).await;
+    assert_eq!(h1["x-tailwarden-cache"], "miss");
+    assert_eq!(h2["x-tailwarden-cache"], "hit");
+    assert!(b2.contains("resp_0"));
+    for stateful in [
+        json!({"model": "m", "input": "hi"}),
+        json!({"model": "m", "input": "hi", "store": false, "previous_response_id": "resp_0"}),
+        json!({"model": "m", "input": "hi", "store": false, "conversation": "conv_1"}),
+    ] {
+        let (_, h, _) = send(&sc, "c3", &stateful).await;
+        let (_, h4, _) = send(&sc, "c4", &stateful).await;
+        assert_eq!(h["x-tailwarden-cache"], "bypass", "{stateful}");
+        assert_eq!(h4["x-tailwarden-cache-reason"], "stateful", "{stateful}");
+    }
+    assert_eq!(a.count(), 7);
+}
