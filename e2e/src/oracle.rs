@@ -406,7 +406,9 @@ impl World<'_> {
             Fault::RateLimited => Attempt::FastFail {
                 wait_ms: Some((fate.retry_after_s as f64 * 1000.0).min(max_ra)),
             },
-            Fault::Status500 | Fault::Status503 | Fault::Reset => {
+            // A stream that fails before content is retried like a 5xx (never drawn from a
+            // profile; only forced).
+            Fault::Status500 | Fault::Status503 | Fault::Reset | Fault::FailBeforeContent => {
                 Attempt::FastFail { wait_ms: None }
             }
         }
