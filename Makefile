@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e operator-scale sdk sdk-deps pyupstream-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test battery
+.PHONY: all build test unit e2e images e2e-images operator-scale sdk sdk-deps pyupstream-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test battery
 
 all: build
 
@@ -14,7 +14,7 @@ build:
 ## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk observability-test fuzz-smoke
 
-unit: tools sdk-deps pyupstream-deps system-deps
+unit: tools sdk-deps pyupstream-deps system-deps e2e-images
 	@# Jaeger v2 (tests/traces_jaeger.rs) builds in the background at the lowest CPU priority,
 	@# on what cargo leaves idle; the test waits on the build's lock. A failed background
 	@# build is redone, with its errors, by the test. Log: .cache/jaeger-build.log.
@@ -23,23 +23,44 @@ unit: tools sdk-deps pyupstream-deps system-deps
 	  TAILWARDEN_HELM=$$(e2e/controlplane/build.sh | tail -n 1)/helm \
 	  $(CARGO) test --workspace --no-fail-fast
 
-## e2e: the user journey on a real local control plane (helm install → route → injected pods
-## → sidecar → OpenAI SDK → route change → delete → helm uninstall). Also part of `make test`.
-e2e: tools sdk-deps
+## e2e: the user journey on a real node — containerd, runc, the CNI bridge, kube-proxy and a
+## kubelet beside the local control plane, in namespaces of its own — with the images built
+## here (helm install → route → injected pod: the OpenAI SDK through the sidecar → ConfigMap
+## and Secret updates → pod deletion → helm uninstall). Builds everything it needs; needs
+## root. Also part of `make test`.
+e2e: tools system-deps e2e-images
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  $(CARGO) test -p tailwarden-e2e --test journey -- --nocapture
+
+## images: the operator and sidecar container images — release binaries on a minimal root of
+## Debian packages, FROM scratch, uid 65532, no shell — built by buildah (no Docker daemon, no
+## registry) into OCI archives with their digests under .cache/images/ (images.txt lists
+## them). IMAGE_REGISTRY=... names them for your registry (docs/operator.md). Needs root.
+IMAGE_REGISTRY ?= ghcr.io
+images: system-deps
+	IMAGE_REGISTRY=$(IMAGE_REGISTRY) bash images/build.sh operator sidecar
+
+## e2e-images: the product images plus the e2e node's pause image and the journey's app.
+# Always the chart's default names: the journey installs the chart with its defaults.
+e2e-images: tools system-deps
+	IMAGE_REGISTRY=ghcr.io bash images/build.sh operator sidecar pause openai-app
 
 ## operator-scale: 500 routes on a real control plane; prints create→ConfigMap latency and RSS.
 operator-scale: tools
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  $(CARGO) test --release -p tailwarden-operator --test scale -- --ignored --nocapture
 
-## system-deps: Debian packages tests start as real servers (redis-server for the shared rate
-## limits), installed when missing.
+## system-deps: Debian packages the tests start or use, installed when missing (one
+## apt-get for all): redis-server for the shared rate limits; containerd, runc, the CNI
+## plugins, iptables and conntrack for the e2e node; buildah and binutils for the images.
+SYSTEM_DEPS := redis-server:redis-server containerd:containerd runc:runc \
+  /usr/lib/cni/bridge:containernetworking-plugins iptables:iptables conntrack:conntrack \
+  buildah:buildah readelf:binutils setpriv:util-linux
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (Debian) for the shared rate-limit tests"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
+	@missing=""; for dep in $(SYSTEM_DEPS); do cmd=$${dep%%:*}; pkg=$${dep#*:}; \
+	  if [[ $$cmd == /* ]]; then [[ -e $$cmd ]] || missing+=" $$pkg"; \
+	  else command -v $$cmd >/dev/null 2>&1 || missing+=" $$pkg"; fi; done; \
+	  bash e2e/debian-install.sh $$missing
 
 ## tools: helm and the local Kubernetes control plane, built once from the Go module proxy.
 tools:

@@ -92,6 +92,35 @@ fn lint_is_clean() {
     assert!(text.contains("0 chart(s) failed"), "{text}");
 }
 
+/// `make images` builds `ghcr.io/tailwarden/{operator,sidecar}:<appVersion>` (the journey runs
+/// those very names on a real node); `image.registry` moves both to a user's registry.
+#[test]
+fn image_registry_moves_the_operator_and_the_sidecar_images() {
+    for (registry, prefix) in [
+        (None, "ghcr.io/"),
+        (
+            Some("registry.example.com:5000/team"),
+            "registry.example.com:5000/team/",
+        ),
+        (Some("registry.example.com/"), "registry.example.com/"),
+        (Some(""), ""),
+    ] {
+        let set = registry.map(|r| format!("image.registry={r}"));
+        let extra: Vec<&str> = set.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+        let docs = render(&extra).unwrap();
+        let deploy = one(&docs, "Deployment");
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(c["image"], format!("{prefix}tailwarden/operator:0.1.0"));
+        let a = args(deploy);
+        assert!(
+            a.contains(&format!("--sidecar-image={prefix}tailwarden/sidecar:0.1.0")),
+            "{a:?}"
+        );
+    }
+    let err = render(&["--set", "image.registry=not a registry"]).unwrap_err();
+    assert!(err.contains("/image/registry"), "{err}");
+}
+
 #[test]
 fn defaults_render_a_hardened_operator_with_least_privilege() {
     let docs = render(&[]).unwrap();
@@ -128,6 +157,16 @@ fn defaults_render_a_hardened_operator_with_least_privilege() {
 
     let pdb = one(&docs, "PodDisruptionBudget");
     assert_eq!(pdb["spec"]["minAvailable"], 1);
+
+    // What the operator writes at run time, created empty by the chart so that it belongs to
+    // the release and `helm uninstall` removes it (the journey checks nothing is left).
+    let tls = one(&docs, "Secret");
+    assert_eq!(tls["metadata"]["name"], "tw-tailwarden-webhook-tls");
+    assert_eq!(tls["type"], "kubernetes.io/tls");
+    assert_eq!(
+        one(&docs, "Lease")["metadata"]["name"],
+        "tailwarden-operator"
+    );
 
     let hook = one(&docs, "MutatingWebhookConfiguration");
     let w = &hook["webhooks"][0];
@@ -236,6 +275,8 @@ fn cert_manager_mode_delegates_the_certificate() {
     let docs = render(&["--set", "webhook.certManager.enabled=true"]).unwrap();
     let cert = one(&docs, "Certificate");
     assert_eq!(cert["spec"]["secretName"], "tw-tailwarden-webhook-tls");
+    // cert-manager writes that Secret; the chart does not template one.
+    assert!(find(&docs, "Secret").is_empty());
     assert_eq!(
         cert["spec"]["dnsNames"][0],
         "tw-tailwarden-webhook.tailwarden-system.svc"

@@ -45,12 +45,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* registry/repository:tag (no registry part when image.registry is empty). */}}
+{{- define "tailwarden.image" -}}
+{{- $registry := trimSuffix "/" (default "" .root.Values.image.registry) -}}
+{{- $ref := printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- if $registry -}}{{ printf "%s/%s" $registry $ref }}{{- else -}}{{ $ref }}{{- end -}}
+{{- end -}}
+
 {{- define "tailwarden.operatorImage" -}}
-{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- include "tailwarden.image" (dict "root" . "image" .Values.operator.image) -}}
 {{- end -}}
 
 {{- define "tailwarden.sidecarImage" -}}
-{{- printf "%s:%s" .Values.sidecar.image.repository (default .Chart.AppVersion .Values.sidecar.image.tag) -}}
+{{- include "tailwarden.image" (dict "root" . "image" .Values.sidecar.image) -}}
 {{- end -}}
 
 {{/* The rules the controller needs in each namespace whose routes it reconciles. */}}
