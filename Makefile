@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CACHE := $(CURDIR)/.cache
 
-.PHONY: all build test unit e2e images e2e-images operator-scale sdk sdk-deps pyupstream-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test battery
+.PHONY: all build test unit deps release-bins e2e images e2e-images operator-scale sdk sdk-deps pyupstream-deps system-deps tools lint fmt fmt-check crds clippy controlplane-smoke observability-test battery
 
 all: build
 
@@ -14,7 +14,7 @@ build:
 ## rendered by the real helm), the real OpenAI SDKs.
 test: fmt-check clippy unit sdk observability-test fuzz-smoke
 
-unit: tools sdk-deps pyupstream-deps system-deps e2e-images
+unit: deps e2e-images
 	@# Jaeger v2 (tests/traces_jaeger.rs) builds in the background at the lowest CPU priority,
 	@# on what cargo leaves idle; the test waits on the build's lock. A failed background
 	@# build is redone, with its errors, by the test. Log: .cache/jaeger-build.log.
@@ -49,6 +49,16 @@ e2e-images: tools system-deps
 operator-scale: tools
 	TAILWARDEN_CONTROLPLANE_BIN=$$(e2e/controlplane/build.sh | tail -n 1) \
 	  $(CARGO) test --release -p tailwarden-operator --test scale -- --ignored --nocapture
+
+## deps: what the tests need, prepared side by side (make -j): the Go build of the control
+## plane and node, the release build of the images' two binaries — both CPU-bound, but each
+## ends in long single-threaded link steps that the other fills — and the package installs
+## (network-bound). Output is grouped per target.
+deps:
+	$(MAKE) --no-print-directory -j4 -Otarget tools sdk-deps pyupstream-deps system-deps release-bins
+
+release-bins:
+	$(CARGO) build --release --locked -p tailwarden-operator -p tailwarden-sidecar
 
 ## system-deps: Debian packages the tests start or use, installed when missing (one
 ## apt-get for all): redis-server for the shared rate limits; containerd, runc, the CNI

@@ -5,12 +5,15 @@
 #   .cache/controlplane/<k8s-version>/bin/
 #       kube-apiserver kube-controller-manager kube-scheduler   (k8s.io/kubernetes, go.mod)
 #       etcd                                                     (./etcd, embedded etcd)
+#       kubelet kube-proxy kubectl                               (k8s.io/kubernetes, go.mod)
 #       kwok                                                     (kwok/go.mod)
 #       helm                                                     (helm/go.mod)
 #
 # Each group is rebuilt only when a binary is missing or its stamp file
 # (bin/.<group>.stamp, a hash of the module's go.mod/go.sum/sources) differs, so
-# a second run costs nothing. GOCACHE/GOMODCACHE are the user's normal Go
+# a second run costs nothing. The two groups of the main module (kube, node) are
+# built by one `go build` when both are stale: it compiles their shared
+# packages once and links the seven binaries in parallel with the compiles. GOCACHE/GOMODCACHE are the user's normal Go
 # caches. go.sum is committed and complete; -mod=readonly means a fresh clone
 # needs nothing but the module proxy, and a drifted go.mod fails loudly.
 #
@@ -57,22 +60,38 @@ up_to_date() { # up_to_date GROUP STAMP BIN...
   [[ -f "$BIN/.$group.stamp" && "$(cat "$BIN/.$group.stamp")" == "$stamp" ]] || return 1
   local b; for b in "$@"; do [[ -x "$BIN/$b" ]] || return 1; done
 }
+# build_groups MODDIR LDFLAGS GROUP... — each GROUP is "name|binaries|packages"; the stale
+# ones are built by a single `go build` (their packages and links share one scheduler).
+build_groups() {
+  local dir=$1 ldflags=$2; shift 2
+  local spec group bins pkgs stamp stale=() all_bins="" all_pkgs="" names=""
+  declare -gA STAMPS=()
+  for spec in "$@"; do
+    IFS='|' read -r group bins pkgs <<<"$spec"
+    # shellcheck disable=SC2086
+    stamp="$(stamp_of "$dir" "$ldflags" $pkgs)"
+    # shellcheck disable=SC2086
+    if up_to_date "$group" "$stamp" $bins; then
+      echo "build.sh: $group up to date ($bins)" >&2; continue
+    fi
+    STAMPS[$group]=$stamp; stale+=("$group"); names+=" $group"
+    all_bins+=" $bins"; all_pkgs+=" $pkgs"
+  done
+  [[ ${#stale[@]} -gt 0 ]] || return 0
+  local t0 tmp; t0="$(now)"; tmp="$(mktemp -d "$BIN/.tmp-${stale[0]}.XXXXXX")"
+  echo "build.sh: building$names ($all_bins ) with $("$GO" env GOVERSION), GOCACHE=$("$GO" env GOCACHE)" >&2
+  (cd "$dir" && "$GO" mod download) >&2
+  echo "build.sh:$names modules ready after $(elapsed "$t0")s" >&2
+  # shellcheck disable=SC2086
+  (cd "$dir" && "$GO" build -ldflags "$ldflags" -o "$tmp/" $all_pkgs) >&2
+  local b; for b in $all_bins; do mv -f "$tmp/$b" "$BIN/$b"; done
+  rmdir "$tmp"
+  for group in "${stale[@]}"; do echo "${STAMPS[$group]}" > "$BIN/.$group.stamp"; done
+  echo "build.sh: built$names in $(elapsed "$t0")s" >&2
+}
 build_group() { # build_group GROUP MODDIR LDFLAGS "BINS" PKG...
   local group=$1 dir=$2 ldflags=$3 bins=$4; shift 4
-  local stamp; stamp="$(stamp_of "$dir" "$ldflags" "$@")"
-  # shellcheck disable=SC2086
-  if up_to_date "$group" "$stamp" $bins; then
-    echo "build.sh: $group up to date ($bins)" >&2; return 0
-  fi
-  local t0 tmp; t0="$(now)"; tmp="$(mktemp -d "$BIN/.tmp-$group.XXXXXX")"
-  echo "build.sh: building $group ($bins) with $("$GO" env GOVERSION), GOCACHE=$("$GO" env GOCACHE)" >&2
-  (cd "$dir" && "$GO" mod download) >&2
-  echo "build.sh: $group modules ready after $(elapsed "$t0")s" >&2
-  (cd "$dir" && "$GO" build -ldflags "$ldflags" -o "$tmp/" "$@") >&2
-  local b; for b in $bins; do mv -f "$tmp/$b" "$BIN/$b"; done
-  rmdir "$tmp"
-  echo "$stamp" > "$BIN/.$group.stamp"
-  echo "build.sh: built $group in $(elapsed "$t0")s" >&2
+  build_groups "$dir" "$ldflags" "$group|$bins|$*"
 }
 
 exec 9>"$CACHE_ROOT/$K8S_VERSION/.build.lock"
@@ -87,9 +106,10 @@ for pkg in $KV $CV; do
   K8S_LDFLAGS+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$K8S_MINOR"
   K8S_LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$BUILD_DATE"
 done
-build_group kube "$HERE" "$K8S_LDFLAGS" "kube-apiserver kube-controller-manager kube-scheduler etcd" \
-  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler ./etcd
+K=k8s.io/kubernetes/cmd
+build_groups "$HERE" "$K8S_LDFLAGS" \
+  "kube|kube-apiserver kube-controller-manager kube-scheduler etcd|$K/kube-apiserver $K/kube-controller-manager $K/kube-scheduler ./etcd" \
+  "node|kubelet kube-proxy kubectl|$K/kubelet $K/kube-proxy $K/kubectl"
 
 build_group kwok "$HERE/kwok" \
   "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION" \

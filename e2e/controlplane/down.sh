@@ -7,8 +7,8 @@
 # (up.sh starts each with setsid) and the whole group is signalled. Then DIR is
 # deleted, unless CONTROLPLANE_KEEP_LOGS=1, in which case only DIR/logs is kept
 # (up.sh does that when it fails).
-# Components get SIGTERM in reverse start order (kwok, scheduler and KCM
-# together, then the apiserver, then etcd), SIGKILL after CONTROLPLANE_STOP_GRACE
+# Components get SIGTERM in reverse start order (a node's kubelet and kube-proxy,
+# then containerd; kwok, scheduler and KCM together, then the apiserver, then etcd), SIGKILL after CONTROLPLANE_STOP_GRACE
 # seconds (default 10) per step; about 1.5 s in all.
 # Idempotent: a second call, or a call on a half-started DIR, is fine. Only
 # directories carrying up.sh's marker file are deleted.
@@ -52,7 +52,8 @@ if [[ -f "$DIR/pids" ]]; then
   while read -r name pid; do [[ -n "${pid:-}" ]] && PIDS[$name]=$pid; done < "$DIR/pids"
   # The reaper calls us itself; otherwise stop it first so it does not race us.
   if [[ -z "${CONTROLPLANE_FROM_REAPER:-}" && -n "${PIDS[reaper]:-}" ]]; then stop "${PIDS[reaper]}"; fi
-  for group in "kwok kube-scheduler kube-controller-manager" kube-apiserver etcd; do
+  # A node (up.sh --node) first: the kubelet and kube-proxy, then containerd.
+  for group in "kubelet kube-proxy" containerd "kwok kube-scheduler kube-controller-manager" kube-apiserver etcd; do
     pids=()
     for name in $group; do [[ -n "${PIDS[$name]:-}" ]] && pids+=("${PIDS[$name]}"); done
     [[ ${#pids[@]} -gt 0 ]] && stop "${pids[@]}"

@@ -9,8 +9,11 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
-KUBECTL="${KUBECTL:-$(command -v kubectl || true)}"
-[[ -n "$KUBECTL" ]] || { echo "smoke: kubectl not found (set KUBECTL)" >&2; exit 1; }
+# The kubectl build.sh builds (v1.33.13, from the same modules), unless KUBECTL says otherwise.
+if [[ -z "${KUBECTL:-}" ]]; then
+  KUBECTL="$("$HERE/build.sh" | tail -n 1)/kubectl"
+fi
+[[ -x "$KUBECTL" ]] || { echo "smoke: kubectl not found at $KUBECTL (set KUBECTL)" >&2; exit 1; }
 export KUBECTL
 WAIT="${SMOKE_TIMEOUT:-90}"
 

@@ -7,6 +7,12 @@
 #   . DIR/env            # KUBECONFIG, KUBE_APISERVER_URL, ports, pids (see README.md)
 #   e2e/controlplane/down.sh DIR
 #
+# With --node (only inside sandbox.sh, which gives it a network of its own), kwok is
+# replaced by a real node: containerd, runc, the CNI bridge, kube-proxy and a kubelet
+# (node.sh), the apiserver listens on the node address too and pods reach it through the
+# `kubernetes` Service, and the images in .cache/images are imported (NODE_IMAGES names
+# them; default: pause operator sidecar openai-app).
+#
 # Ports are chosen free at run time. Every component runs in its own process
 # group (setsid) and is recorded in DIR/pids; down.sh stops them all.
 # Nothing is left behind:
@@ -20,13 +26,15 @@
 #   CONTROLPLANE_AGGREGATOR_ROUTING=1 (apiserver --enable-aggregator-routing:
 #   Service-referenced webhooks resolve through Endpoints instead of ClusterIP),
 #   CONTROLPLANE_TIMEOUT (seconds to wait for readiness, default 120),
-#   KUBECTL (default: kubectl on PATH).
+#   KUBECTL (default: the kubectl build.sh built, else kubectl on PATH).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OWNER="$PPID"
+NODE=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --node) NODE=1; shift ;;
     --owner-pid) OWNER="$2"; shift 2 ;;
     --owner-pid=*) OWNER="${1#*=}"; shift ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
@@ -34,7 +42,11 @@ while [[ $# -gt 0 ]]; do
     *) break ;;
   esac
 done
-[[ $# -eq 1 ]] || { echo "usage: up.sh [--owner-pid PID|none] DIR" >&2; exit 2; }
+[[ $# -eq 1 ]] || { echo "usage: up.sh [--node] [--owner-pid PID|none] DIR" >&2; exit 2; }
+if [[ $NODE == 1 && ( "${TAILWARDEN_SANDBOX:-}" != 1 || -z "${NODE_IP:-}" ) ]]; then
+  echo "up.sh: --node runs only inside e2e/controlplane/sandbox.sh (its own network, mounts and sysctls)" >&2
+  exit 2
+fi
 DIR="$1"
 case "$DIR" in *[[:space:]]*) echo "up.sh: DIR must not contain whitespace" >&2; exit 2 ;; esac
 mkdir -p "$DIR"
@@ -47,8 +59,7 @@ mkdir -p "$DIR/pki" "$DIR/logs" "$DIR/kwok-home"; mkdir -m 700 "$DIR/etcd"
 : > "$DIR/pids"
 
 TIMEOUT="${CONTROLPLANE_TIMEOUT:-120}"
-KUBECTL="${KUBECTL:-$(command -v kubectl || true)}"
-[[ -n "$KUBECTL" ]] || { echo "up.sh: kubectl not found (set KUBECTL)" >&2; exit 1; }
+REPO="$(cd "$HERE/../.." && pwd)"
 
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}'; }
@@ -81,6 +92,15 @@ for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do
   [[ -x "$BIN/$b" ]] || { log "missing $BIN/$b"; exit 1; }
 done
 K8S_VERSION="$(basename "$(dirname "$BIN")")"
+if [[ -z "${KUBECTL:-}" ]]; then
+  if [[ -x "$BIN/kubectl" ]]; then KUBECTL="$BIN/kubectl"; else KUBECTL="$(command -v kubectl || true)"; fi
+fi
+[[ -n "$KUBECTL" ]] || { log "kubectl not found (build.sh builds it; or set KUBECTL)"; exit 1; }
+if [[ $NODE == 1 ]]; then
+  # shellcheck source=node.sh
+  . "$HERE/node.sh"
+  node_check
+fi
 
 # ---------------------------------------------------------------- ports
 # Random ports below the ephemeral range (so outgoing connections cannot be
@@ -118,8 +138,9 @@ issue() {
     -days 3650 -sha256 -extfile "$ext" -out "$PKI/$name.crt"
   rm -f "$PKI/$name.csr" "$ext"
 }
-issue apiserver "/CN=kube-apiserver" \
-  "IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+APISERVER_SANS="IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+[[ $NODE == 1 ]] && APISERVER_SANS+=",IP:$NODE_IP"
+issue apiserver "/CN=kube-apiserver" "$APISERVER_SANS"
 issue admin "/O=system:masters/CN=tailwarden-admin"
 issue controller-manager "/CN=system:kube-controller-manager"
 issue scheduler "/CN=system:kube-scheduler"
@@ -137,6 +158,7 @@ issue_front_proxy() {
   rm -f "$PKI/front-proxy-client.csr" "$PKI/fp.ext"
 }
 issue_front_proxy
+[[ $NODE == 1 ]] && node_certs
 ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
 ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 ADMIN_TOKEN="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
@@ -199,15 +221,27 @@ t="$(now)"
 start_component etcd "ETCD_CLIENT_PORT ETCD_PEER_PORT" "etcd /health" etcd_ready launch_etcd
 log "etcd ready on 127.0.0.1:$ETCD_CLIENT_PORT in $(since "$t")s"
 
-# kube-apiserver. --endpoint-reconciler-type=none: the default reconciler
-# would write 127.0.0.1 into Endpoints default/kubernetes every 10 s and fail
-# ("may not be in the loopback range"); nothing here needs that object.
+# kube-apiserver. Without a node, --endpoint-reconciler-type=none: the default
+# reconciler would write 127.0.0.1 into Endpoints default/kubernetes every 10 s
+# and fail ("may not be in the loopback range"); nothing there needs that object.
 ROUTING=false; [[ "${CONTROLPLANE_AGGREGATOR_ROUTING:-0}" == 1 ]] && ROUTING=true
 SA_ISSUER="https://kubernetes.default.svc.cluster.local"
+# With a node, pods reach the apiserver through the `kubernetes` Service: it listens on the
+# sandbox's node address too and the lease reconciler publishes that address as the
+# Service's endpoint (kube-proxy does the rest); it reaches kubelets (logs, exec) with its
+# own client certificate and checks theirs.
+if [[ $NODE == 1 ]]; then
+  APISERVER_NET=(--bind-address=0.0.0.0 --advertise-address="$NODE_IP" --endpoint-reconciler-type=lease
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt"
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key"
+    --kubelet-certificate-authority="$PKI/ca.crt" --kubelet-preferred-address-types=InternalIP)
+else
+  APISERVER_NET=(--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --endpoint-reconciler-type=none)
+fi
 launch_apiserver() {
   start kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
-    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$APISERVER_PORT" \
+    "${APISERVER_NET[@]}" --secure-port="$APISERVER_PORT" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
     --client-ca-file="$PKI/ca.crt" --token-auth-file="$PKI/tokens.csv" \
     --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
@@ -220,8 +254,7 @@ launch_apiserver() {
     --enable-admission-plugins=NodeRestriction \
     --service-cluster-ip-range=10.0.0.0/24 \
     --enable-aggregator-routing="$ROUTING" \
-    --allow-privileged=true --profiling=false \
-    --endpoint-reconciler-type=none
+    --allow-privileged=true --profiling=false
 }
 apiserver_ready() {
   curl -sf --max-time 3 --cacert "$PKI/ca.crt" "https://127.0.0.1:$APISERVER_PORT/readyz" | grep -qx ok
@@ -272,14 +305,17 @@ launch_scheduler() {
 }
 launch_kcm
 launch_scheduler
-KWOK_CONFIG=()
-for s in "$HERE"/stages/*.yaml; do KWOK_CONFIG+=(--config "$s"); done
-# HOME points at an empty dir so a user's ~/.kwok/kwok.yaml is not merged in.
-# kwok serves nothing (no --server-address), so it needs no port.
-start kwok env HOME="$DIR/kwok-home" "$BIN/kwok" "${KWOK_CONFIG[@]}" \
-  --kubeconfig="$PKI/kwok.kubeconfig" \
-  --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
-  --node-lease-duration-seconds=40 --cidr=10.244.0.0/16 --node-ip=10.250.0.1
+PID_kwok=""
+if [[ $NODE == 0 ]]; then
+  KWOK_CONFIG=()
+  for s in "$HERE"/stages/*.yaml; do KWOK_CONFIG+=(--config "$s"); done
+  # HOME points at an empty dir so a user's ~/.kwok/kwok.yaml is not merged in.
+  # kwok serves nothing (no --server-address), so it needs no port.
+  start kwok env HOME="$DIR/kwok-home" "$BIN/kwok" "${KWOK_CONFIG[@]}" \
+    --kubeconfig="$PKI/kwok.kubeconfig" \
+    --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+    --node-lease-duration-seconds=40 --cidr=10.244.0.0/16 --node-ip=10.250.0.1
+fi
 
 healthz() { curl -sfk --max-time 2 "https://127.0.0.1:$1/healthz" | grep -qx ok; }
 kcm_ready() { healthz "$KCM_PORT"; }
@@ -288,6 +324,13 @@ await_component kube-controller-manager KCM_PORT "kube-controller-manager /healt
 await_component kube-scheduler SCHEDULER_PORT "kube-scheduler /healthz" scheduler_ready launch_scheduler
 log "controller-manager and scheduler healthy in $(since "$t")s"
 
+default_sa() { "$KUBECTL" -n default get serviceaccount default; }
+KWOK_NODE=""
+NODE_READY_SECONDS=""
+if [[ $NODE == 1 ]]; then
+  start_node
+  wait_for kube-controller-manager "ServiceAccount default/default" default_sa
+else
 # One fake node, managed by kwok because of its annotation. No taint: every
 # pod may land on it.
 KWOK_NODE=kwok-node-0
@@ -308,10 +351,10 @@ EOF
 node_ready() {
   [[ "$("$KUBECTL" get node "$KWOK_NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" == True ]]
 }
-default_sa() { "$KUBECTL" -n default get serviceaccount default; }
 wait_for kwok "node $KWOK_NODE Ready (kwok)" node_ready
 wait_for kube-controller-manager "ServiceAccount default/default" default_sa
 log "node $KWOK_NODE Ready in $(since "$t")s"
+fi
 
 # ---------------------------------------------------------------- reaper
 # Tears the cluster down when the owner process goes away (any exit, even
@@ -367,5 +410,17 @@ KWOK_PID=$PID_kwok
 REAPER_PID=$REAPER_PID
 OWNER_PID=$OWNER
 EOF
+if [[ $NODE == 1 ]]; then
+  cat >> "$DIR/env" <<EOF
+NODE_NAME=$NODE_NAME
+NODE_IP=$NODE_IP
+NODE_READY_SECONDS=$NODE_READY_SECONDS
+CONTAINERD_ADDRESS=/run/containerd/containerd.sock
+PAUSE_IMAGE=$PAUSE_IMAGE
+CONTAINERD_PID=$PID_containerd
+KUBELET_PID=$PID_kubelet
+KUBE_PROXY_PID=$PID_kube_proxy
+EOF
+fi
 SUCCESS=1
 log "control plane $K8S_VERSION up in $(since "$T_START")s: . $DIR/env"

@@ -1,5 +1,5 @@
 //! A real local Kubernetes control plane for tests: kube-apiserver, etcd, controller-manager,
-//! scheduler and kwok on loopback, brought up by `e2e/controlplane/up.sh` and torn down when
+//! scheduler and kwok on loopback (or a real node instead of kwok: [`ControlPlane::up_node`]), brought up by `e2e/controlplane/up.sh` and torn down when
 //! the [`ControlPlane`] is dropped — after a panic too, and (through up.sh's reaper) even if
 //! the test process is killed. [`ControlPlane::restart_apiserver`] restarts the API server
 //! in place, for tests of what survives that.
@@ -70,11 +70,25 @@ impl ControlPlane {
     /// Brings a control plane up in a fresh directory named after `name` and this process.
     /// Uses `TAILWARDEN_CONTROLPLANE_BIN` (set by the Makefile) when present.
     pub fn up(name: &str) -> Result<Self, ControlPlaneError> {
-        let dir = std::env::temp_dir().join(format!("tw-{name}-{}", std::process::id()));
+        Self::up_with(name, &[])
+    }
+
+    /// A control plane with a real node (containerd, kube-proxy, kubelet; `up.sh --node`)
+    /// instead of kwok. Only inside `e2e/controlplane/sandbox.sh` (see [`crate::node`]);
+    /// the env file then also has `NODE_NAME`, `NODE_IP`, `NODE_READY_SECONDS`, ….
+    pub fn up_node(name: &str) -> Result<Self, ControlPlaneError> {
+        Self::up_with(name, &["--node"])
+    }
+
+    fn up_with(name: &str, flags: &[&str]) -> Result<Self, ControlPlaneError> {
+        // Inside a sandbox pids are small and repeat across sandboxes: use its own directory.
+        let base = std::env::var_os("SANDBOX_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
+        let dir = base.join(format!("tw-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let script = repo_root().join("e2e/controlplane/up.sh");
         let mut cmd = Command::new(&script);
-        cmd.args(["--owner-pid", &std::process::id().to_string()])
+        cmd.args(flags)
+            .args(["--owner-pid", &std::process::id().to_string()])
             .arg(&dir);
         if let Ok(bin) = std::env::var("TAILWARDEN_CONTROLPLANE_BIN") {
             cmd.env("CONTROLPLANE_BIN", bin);

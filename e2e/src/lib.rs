@@ -15,7 +15,9 @@
 //! * [`battery`] — `tailwarden-battery`: direct / sidecar / limit on every profile ×
 //!   topology × upstream stack (hyper and aiohttp), with the never-worse verdict per cell.
 //! * [`controlplane`] — a real kube-apiserver, etcd, controller-manager, scheduler and kwok
-//!   on loopback for the operator and end-to-end tests.
+//!   on loopback for the operator and end-to-end tests, or with a real node instead of kwok.
+//! * [`node`] — running a test inside `e2e/controlplane/sandbox.sh` (namespaces of its own)
+//!   for the real node, and checking from outside that it left the machine as it was.
 //! * [`duration`] — the `10s` / `500ms` / `2m` duration syntax the command lines share.
 //! * [`proc`], [`sidecar`], [`fetch`], [`machine`] — child processes (process groups, RSS),
 //!   the sidecar binary, a blocking control-plane HTTP client, and the machine description
@@ -32,6 +34,7 @@ pub mod demo;
 pub mod duration;
 pub mod fetch;
 pub mod machine;
+pub mod node;
 pub mod oracle;
 pub mod proc;
 pub mod sidecar;
