@@ -249,7 +249,7 @@ release_bin() { # release_bin NAME: path of a release binary of the workspace
 }
 
 # product IMAGE BINARY: operator or sidecar, from images/IMAGE/Containerfile
-BASE_PKGS="libc6 libgcc-s1 ca-certificates"
+BASE_PKGS="libc6 libgcc-s1 gcc-12-base ca-certificates"
 product() {
   local name=$1 bin=$2 ctx="$OUT/context/$1" stage="$OUT/stage/$1" ref binary
   ref="$REGISTRY/tailwarden/$name:$APP_VERSION"
@@ -293,7 +293,7 @@ pause() {
 
 # openai-app: Debian's python3.11 (interpreter, standard library, the libraries its modules
 # link) plus the OpenAI SDK pinned in e2e/sdk/requirements.txt, installed as wheels.
-APP_PKGS="libc6 libgcc-s1 ca-certificates python3.11-minimal libpython3.11-minimal
+APP_PKGS="libc6 libgcc-s1 gcc-12-base ca-certificates python3.11-minimal libpython3.11-minimal
   libpython3.11-stdlib libssl3 libffi8 zlib1g libexpat1 libbz2-1.0 liblzma5 libuuid1 libcrypt1
   media-types"
 openai_app() {
