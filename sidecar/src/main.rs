@@ -186,6 +186,7 @@ async fn main() -> anyhow::Result<()> {
         // Exports the spans still queued; blocking, bounded by the export timeout.
         let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
     }
+    tailwarden_sidecar::record::access_log::flush();
     tracing::info!("stopped");
     Ok(())
 }

@@ -240,3 +240,88 @@ async fn an_invalid_config_file_stops_the_binary_with_one_clear_message() {
         )
     );
 }
+
+/// The access log is written off the request path, in batches; on SIGTERM the sidecar
+/// writes what is still queued before it exits, so the line of a request answered just
+/// before the signal is on stderr. The drop counter is exposed (and zero under this load).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_lines_written_just_before_sigterm_are_on_stderr() {
+    let up = upstream(|_, _| ok("logged")).await;
+    let dir = TempDir::new();
+    let config = dir.0.join("routes.yaml");
+    std::fs::write(&config, route(&[("p", &up.base_url(), 100, 0)], "")).unwrap();
+    let log_path = dir.0.join("stderr.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tailwarden-sidecar"))
+        .args([
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ])
+        .env("TAILWARDEN_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (listen, admin) = (words[2].to_owned(), words[4].to_owned());
+    let child = KillOnDrop(child);
+
+    let client = client();
+    let (status, metrics) = get(&client, format!("http://{admin}/metrics")).await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("\ntailwarden_access_log_dropped_total 0\n"),
+        "the drop counter is exposed: {metrics}"
+    );
+    let ids: Vec<String> = (0..50).map(|i| format!("before-term-{i}")).collect();
+    for id in &ids {
+        let req = http::Request::post(format!("http://{listen}/v1/chat/completions"))
+            .header("x-request-id", id.as_str())
+            .body(http_body_util::Full::new(Bytes::from_static(
+                br#"{"model":"m","messages":[]}"#,
+            )))
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.into_body().collect().await.unwrap();
+    }
+    // At once: well inside the writer's batching interval, so only the exit flush can
+    // have written the last lines.
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut child = child;
+    let status = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "clean exit: {status:?}");
+
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    let logged: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "tailwarden::access")
+        .collect();
+    for id in &ids {
+        let lines: Vec<_> = logged.iter().filter(|v| v["request_id"] == *id).collect();
+        assert_eq!(lines.len(), 1, "one access line for {id} in: {text}");
+        assert_eq!(lines[0]["status"], 200);
+        assert_eq!(lines[0]["message"], "request");
+    }
+    // The exit flush comes before the last log line, not after it.
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["message"], "stopped", "last line: {last}");
+}

@@ -10,49 +10,28 @@
 
 mod common;
 
-use std::{
-    io::Write,
-    sync::{Arc, Mutex, OnceLock},
-    time::Duration,
-};
+use std::{sync::OnceLock, time::Duration};
 
 use bytes::Bytes;
 use common::*;
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
+use tailwarden_sidecar::record::access_log;
 
-fn log_lines() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+/// Every access-log line of this test binary (JSON), captured once for all tests.
+fn log_lines() -> &'static access_log::Capture {
+    static LOG: OnceLock<access_log::Capture> = OnceLock::new();
     LOG.get_or_init(|| {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let sink = buffer.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_env_filter("tailwarden::access=info")
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).unwrap();
-        buffer
+        let capture = access_log::Capture::default();
+        access_log::init(access_log::Format::Json, true, Box::new(capture.clone()));
+        capture
     })
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 async fn access_line(id: &str) -> Value {
     let find = || {
-        let text = String::from_utf8(log_lines().lock().unwrap().clone()).unwrap();
+        let text = log_lines().text();
         text.lines()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
             .find(|v| v["request_id"] == id)

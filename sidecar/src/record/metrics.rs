@@ -129,6 +129,8 @@ pub struct Metrics {
     pub queue_wait: HistogramVec,
     pub limit_backend_errors: IntCounter,
     pub cache_backend_errors: IntCounter,
+    /// Access-log lines dropped because stderr did not keep up ([`super::access_log`]).
+    pub access_log_dropped: IntCounter,
     pub cache_requests: IntCounterVec,
     pub semantic_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
@@ -333,6 +335,10 @@ impl Metrics {
                 "tailwarden_cache_backend_errors_total",
                 "Failed or timed-out calls to the shared cache backend (Redis); lookups then miss.",
             )?,
+            access_log_dropped: IntCounter::new(
+                "tailwarden_access_log_dropped_total",
+                "Access-log lines dropped because stderr did not keep up.",
+            )?,
             cache_requests: IntCounterVec::new(
                 Opts::new(
                     "tailwarden_cache_requests_total",
@@ -405,6 +411,8 @@ impl Metrics {
         m.registry.register(Box::new(m.semantic_requests.clone()))?;
         m.registry
             .register(Box::new(m.cache_backend_errors.clone()))?;
+        m.registry
+            .register(Box::new(m.access_log_dropped.clone()))?;
         m.registry.register(Box::new(m.cache_entries.clone()))?;
         m.registry.register(Box::new(m.cache_bytes.clone()))?;
         Ok(m)

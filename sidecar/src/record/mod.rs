@@ -3,8 +3,9 @@
 //! cost, span outcome and one JSON access-log line, exactly once. [`metrics`] is the
 //! Prometheus registry, [`telemetry`] the OpenTelemetry spans and the log subscriber,
 //! [`otlp_grpc`] their OTLP/gRPC exporter, [`identity`] the workload the sidecar
-//! serves, on every access-log line.
+//! serves, on every access-log line; [`access_log`] writes those lines off the request path.
 
+pub mod access_log;
 pub mod identity;
 pub mod metrics;
 pub mod otlp_grpc;

@@ -323,37 +323,41 @@ impl Drop for Recorder {
                 },
             );
         }
-        tracing::info!(
-            target: "tailwarden::access",
-            request_id = %i.request_id,
-            route = %i.route,
-            model = %i.model,
-            provider = provider,
-            provider_model = %i.provider_model,
-            tier = i.tier.as_deref().unwrap_or(""),
-            stream = i.stream,
-            status = i.status,
-            attempts = i.attempts,
-            hedged = i.hedged,
-            ttft_ms = self.ttft.map(|t| t.as_secs_f64() * 1000.0),
-            total_ms = total.as_secs_f64() * 1000.0,
-            overhead_us = i.overhead.as_micros() as u64,
-            input_tokens = usage.map(|u| u.input),
-            cached_input_tokens = usage.map(|u| u.cached_input),
-            output_tokens = usage.map(|u| u.output),
-            reasoning_tokens = usage.map(|u| u.reasoning),
-            usage_estimated = usage.map(|u| u.estimated),
-            cost = cost.map(|c| c.normalize().to_string()),
-            error_type = error_type,
-            cache = i.cache,
-            tenant = i.tenant.as_deref(),
-            namespace = i.identity.namespace.as_deref(),
-            pod = i.identity.pod.as_deref(),
-            service_account = i.identity.service_account.as_deref(),
-            workload_kind = i.identity.workload_kind.as_deref(),
-            workload = i.identity.workload.as_deref(),
-            "request"
-        );
+        let logged = super::access_log::emit("request", |l| {
+            l.str("request_id", &i.request_id);
+            l.str("route", &i.route);
+            l.str("model", &i.model);
+            l.str("provider", provider);
+            l.str("provider_model", &i.provider_model);
+            l.str("tier", i.tier.as_deref().unwrap_or(""));
+            l.bool("stream", i.stream);
+            l.u64("status", u64::from(i.status));
+            l.u64("attempts", u64::from(i.attempts));
+            l.bool("hedged", i.hedged);
+            l.opt_f64("ttft_ms", self.ttft.map(|t| t.as_secs_f64() * 1000.0));
+            l.f64("total_ms", total.as_secs_f64() * 1000.0);
+            l.u64(
+                "overhead_us",
+                u64::try_from(i.overhead.as_micros()).unwrap_or(u64::MAX),
+            );
+            l.opt_u64("input_tokens", usage.map(|u| u.input));
+            l.opt_u64("cached_input_tokens", usage.map(|u| u.cached_input));
+            l.opt_u64("output_tokens", usage.map(|u| u.output));
+            l.opt_u64("reasoning_tokens", usage.map(|u| u.reasoning));
+            l.opt_bool("usage_estimated", usage.map(|u| u.estimated));
+            l.opt_str("cost", cost.map(|c| c.normalize().to_string()).as_deref());
+            l.opt_str("error_type", error_type);
+            l.opt_str("cache", i.cache);
+            l.opt_str("tenant", i.tenant.as_deref());
+            l.opt_str("namespace", i.identity.namespace.as_deref());
+            l.opt_str("pod", i.identity.pod.as_deref());
+            l.opt_str("service_account", i.identity.service_account.as_deref());
+            l.opt_str("workload_kind", i.identity.workload_kind.as_deref());
+            l.opt_str("workload", i.identity.workload.as_deref());
+        });
+        if !logged {
+            m.access_log_dropped.inc();
+        }
         // The GenAI client metrics describe calls to a provider: not cache hits or requests
         // refused before any attempt.
         if let Some(g) = &m.gen_ai

@@ -1,5 +1,5 @@
 //! OpenTelemetry traces of the data plane, exported over OTLP/HTTP (protobuf), and the
-//! process's log subscriber.
+//! process's log subscriber (and, beside it, the access log: [`super::access_log`]).
 //!
 //! Tracing is off unless `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`
 //! is set (and `OTEL_SDK_DISABLED` is not `true`, `OTEL_TRACES_EXPORTER` is not `none`). Off,
@@ -245,11 +245,13 @@ pub fn init(log_format: &str) -> Option<Telemetry> {
     let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
     let Some(config) = Config::from_env() else {
         registry.init();
+        init_access_log(log_format);
         return None;
     };
     match layer(&config) {
         Ok((telemetry, otel)) => {
             registry.with(otel).init();
+            init_access_log(log_format);
             if let Some(p) = env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 .or_else(|| env("OTEL_EXPORTER_OTLP_PROTOCOL"))
                 .filter(|p| Protocol::parse(p).is_none())
@@ -265,10 +267,23 @@ pub fn init(log_format: &str) -> Option<Telemetry> {
         }
         Err(e) => {
             registry.init();
+            init_access_log(log_format);
             tracing::error!(error = %e, "OpenTelemetry tracing off: the OTLP exporter could not be built");
             None
         }
     }
+}
+
+/// The access log on stderr, in the log format, when `TAILWARDEN_LOG` lets its target through
+/// (asked of the subscriber just installed, so the filter's rules are the same as ever).
+fn init_access_log(log_format: &str) {
+    let enabled = tracing::enabled!(target: super::access_log::TARGET, tracing::Level::INFO);
+    let format = if log_format == "json" {
+        super::access_log::Format::Json
+    } else {
+        super::access_log::Format::Text
+    };
+    super::access_log::init(format, enabled, Box::new(std::io::stderr()));
 }
 
 /// The SERVER span of a client request, a child of the client's `traceparent` if it sent
