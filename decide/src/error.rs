@@ -70,9 +70,7 @@ impl ApiError {
         Self::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
-            format!(
-                "Unknown path {path}: this sidecar serves /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models."
-            ),
+            format!("Unknown path {path}: this sidecar serves the OpenAI API below /v1/."),
         )
     }
 
@@ -119,6 +117,33 @@ impl ApiError {
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
         let mut e = Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message);
         e.code = Some("upstream_timeout");
+        e
+    }
+
+    /// A follow-up whose state lives on a provider that cannot take it now: it is not sent
+    /// elsewhere, where the history would be missing.
+    pub fn owner_unavailable(id: &str, provider: &str, why: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            format!(
+                "`{id}` was created by provider {provider}, which is unavailable ({why}); the request was not sent to another provider because the response's state lives on {provider}."
+            ),
+        );
+        e.code = Some("owner_unavailable");
+        e
+    }
+
+    /// A follow-up whose owner is not a provider of the route its model chose.
+    pub fn owner_not_in_route(id: &str, provider: &str, route: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!(
+                "`{id}` was created by provider {provider}, which is not a provider of route {route} (the route of this request's model); send the follow-up with a model served by a route that has provider {provider}."
+            ),
+        );
+        e.code = Some("owner_not_in_route");
         e
     }
 

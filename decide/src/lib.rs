@@ -11,6 +11,7 @@
 //! | module | decides |
 //! |---|---|
 //! | [`request`] | what the client's JSON body says (top level only) and how to rewrite it |
+//! | [`passthrough`] | the rest of `/v1`: safe paths, where each request goes, what may be resent |
 //! | [`error`] | the OpenAI-shaped error a refused request gets (plain data) |
 //! | [`tiers`] | which content tier (and so which model) a request falls in |
 //! | [`cache_key`] | the exact cache's key and the client's cache directives |
@@ -33,6 +34,7 @@ pub mod cache_key;
 pub mod capabilities;
 pub mod error;
 pub mod hedge;
+pub mod passthrough;
 pub mod request;
 pub mod responses;
 pub mod retry;

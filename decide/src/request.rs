@@ -107,6 +107,34 @@ impl Endpoint {
                 .is_none_or(|raw| raw.get() != "true")
     }
 
+    /// The conversation a Responses request belongs to (`conversation`: an id, or an
+    /// object with an `id`), if any.
+    pub fn conversation<'a>(self, body: &RequestBody<'a>) -> Option<Cow<'a, str>> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Conversation<'a> {
+            Id(#[serde(borrow)] Cow<'a, str>),
+            Object {
+                #[serde(borrow)]
+                id: Cow<'a, str>,
+            },
+        }
+        if self != Self::Responses {
+            return None;
+        }
+        let raw = body.member("conversation")?;
+        match serde_json::from_str::<Option<Conversation<'a>>>(raw.get()).ok()?? {
+            Conversation::Id(id) | Conversation::Object { id } => Some(id),
+        }
+        .filter(|id| !id.is_empty())
+    }
+
+    /// Whether the provider keeps the response (`store` is not `false`), so follow-ups
+    /// can refer to it.
+    pub fn stores(self, body: &RequestBody<'_>) -> bool {
+        self == Self::Responses && body.member("store").is_none_or(|raw| raw.get() != "false")
+    }
+
     /// The response a request continues (`previous_response_id`), if any.
     pub fn continues<'a>(self, body: &RequestBody<'a>) -> Option<Cow<'a, str>> {
         if self != Self::Responses {
@@ -345,6 +373,26 @@ mod tests {
         );
         assert_eq!(Endpoint::ChatCompletions.continues(&body), None);
         assert!(!Endpoint::Responses.asks_usage());
+        let conv = |b: &[u8]| {
+            Endpoint::Responses
+                .conversation(&RequestBody::parse(b).unwrap())
+                .map(|c| c.into_owned())
+        };
+        assert_eq!(
+            conv(br#"{"model":"m","conversation":"conv_1"}"#).as_deref(),
+            Some("conv_1")
+        );
+        assert_eq!(
+            conv(br#"{"model":"m","conversation":{"id":"conv_2"}}"#).as_deref(),
+            Some("conv_2")
+        );
+        assert_eq!(conv(br#"{"model":"m","conversation":null}"#), None);
+        assert_eq!(conv(br#"{"model":"m","conversation":5}"#), None);
+        assert!(Endpoint::Responses.stores(&RequestBody::parse(br#"{"model":"m"}"#).unwrap()));
+        assert!(
+            !Endpoint::Responses
+                .stores(&RequestBody::parse(br#"{"model":"m","store":false}"#).unwrap())
+        );
         assert_eq!(
             Endpoint::from_path("/v1/responses"),
             Some(Endpoint::Responses)

@@ -168,6 +168,75 @@ pub fn parse_retry_after_ms(header_value: &[u8]) -> Option<Duration> {
     Duration::try_from_secs_f64(ms / 1000.0).ok()
 }
 
+/// Parse an OpenAI rate-limit reset (`x-ratelimit-reset-requests: 1s`, `6m0s`, `20ms`,
+/// `1h2m3.5s`, or bare seconds `0.5`). Garbage gives `None`.
+pub fn parse_reset(header_value: &[u8]) -> Option<Duration> {
+    let s = std::str::from_utf8(header_value).ok()?.trim();
+    if s.is_empty() {
+        return None;
+    }
+    if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return parse_seconds(s);
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter(|&n| n > 0)?;
+        let (number, tail) = rest.split_at(digits);
+        let value: f64 = number.parse().ok()?;
+        let (unit, tail) = if let Some(t) = tail.strip_prefix("ms") {
+            (0.001, t)
+        } else if let Some(t) = tail.strip_prefix('h') {
+            (3600.0, t)
+        } else if let Some(t) = tail.strip_prefix('m') {
+            (60.0, t)
+        } else if let Some(t) = tail.strip_prefix('s') {
+            (1.0, t)
+        } else {
+            return None;
+        };
+        total += Duration::try_from_secs_f64(value * unit).ok()?;
+        rest = tail;
+    }
+    Some(total)
+}
+
+/// How long a provider's error response asks the sidecar to wait before its next request:
+/// `retry-after-ms` (the most precise), else `Retry-After`, else (for a 429 only: the
+/// rate-limit headers ride on every response) the reset of the exhausted limit —
+/// `x-ratelimit-reset-requests` when `x-ratelimit-remaining-requests` is 0,
+/// `x-ratelimit-reset-tokens` when `…-remaining-tokens` is 0, the later of the two when
+/// the remaining counts do not say. This is the input of the cool-down rule
+/// ([`crate::schedule::cooldown`]).
+pub fn provider_wait(headers: &http::HeaderMap, status: u16, now: SystemTime) -> Option<Duration> {
+    let get = |name: &str| headers.get(name).map(http::HeaderValue::as_bytes);
+    if let Some(wait) = get("retry-after-ms").and_then(parse_retry_after_ms) {
+        return Some(wait);
+    }
+    if let Some(wait) = get("retry-after").and_then(|v| parse_retry_after(v, now)) {
+        return Some(wait);
+    }
+    if status != 429 {
+        return None;
+    }
+    let exhausted = |which: &str| {
+        get(&format!("x-ratelimit-remaining-{which}"))
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(|n| n == 0)
+    };
+    let reset = |which: &str| get(&format!("x-ratelimit-reset-{which}")).and_then(parse_reset);
+    let (requests, tokens) = (reset("requests"), reset("tokens"));
+    match (exhausted("requests"), exhausted("tokens")) {
+        (Some(true), Some(true)) | (None, None) => requests.max(tokens),
+        (Some(true), _) => requests.or(tokens),
+        (_, Some(true)) => tokens.or(requests),
+        _ => requests.max(tokens),
+    }
+}
+
 fn parse_seconds(s: &str) -> Option<Duration> {
     if let Ok(secs) = s.parse::<u64>() {
         return Some(Duration::from_secs(secs));
@@ -445,6 +514,17 @@ mod tests {
             Some(Duration::from_micros(500))
         );
         assert_eq!(parse_retry_after_ms(b"-5"), None);
+        assert_eq!(parse_reset(b"1s"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_reset(b"6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(parse_reset(b"20ms"), Some(20 * MS));
+        assert_eq!(
+            parse_reset(b"1h2m3.5s"),
+            Some(Duration::from_millis(3_723_500))
+        );
+        assert_eq!(parse_reset(b"0.5"), Some(500 * MS));
+        for bad in [&b""[..], b"s", b"5x", b"1s2", b"-1s", b"m5"] {
+            assert_eq!(parse_reset(bad), None, "{bad:?}");
+        }
         assert_eq!(parse_retry_after_ms(b"x"), None);
     }
 
@@ -577,5 +657,65 @@ mod tests {
             .collect();
         let granted: usize = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
         assert_eq!(granted, 200);
+    }
+
+    #[test]
+    fn provider_wait_prefers_the_most_precise_header() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let h = |pairs: &[(&'static str, &'static str)]| {
+            let mut m = http::HeaderMap::new();
+            for (k, v) in pairs {
+                m.insert(*k, http::HeaderValue::from_static(v));
+            }
+            provider_wait(&m, 429, now)
+        };
+        assert_eq!(h(&[]), None);
+        assert_eq!(
+            h(&[("retry-after-ms", "1500"), ("retry-after", "9")]),
+            Some(1500 * MS)
+        );
+        assert_eq!(
+            h(&[("retry-after", "2"), ("x-ratelimit-reset-requests", "9s")]),
+            Some(Duration::from_secs(2))
+        );
+        // The exhausted limit's reset, else the later one.
+        let both = [
+            ("x-ratelimit-reset-requests", "1s"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+        ];
+        assert_eq!(h(&both), Some(Duration::from_secs(360)));
+        let requests_out = [
+            both[0],
+            both[1],
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-remaining-tokens", "5000"),
+        ];
+        assert_eq!(h(&requests_out), Some(Duration::from_secs(1)));
+        let tokens_out = [
+            both[0],
+            both[1],
+            ("x-ratelimit-remaining-requests", "3"),
+            ("x-ratelimit-remaining-tokens", "0"),
+        ];
+        assert_eq!(h(&tokens_out), Some(Duration::from_secs(360)));
+        assert_eq!(
+            h(&[
+                ("retry-after-ms", "junk"),
+                ("x-ratelimit-reset-tokens", "20ms")
+            ]),
+            Some(20 * MS)
+        );
+        let mut m = http::HeaderMap::new();
+        m.insert(
+            "x-ratelimit-reset-requests",
+            http::HeaderValue::from_static("1s"),
+        );
+        assert_eq!(
+            provider_wait(&m, 503, now),
+            None,
+            "resets only explain a 429"
+        );
+        m.insert("retry-after-ms", http::HeaderValue::from_static("40"));
+        assert_eq!(provider_wait(&m, 503, now), Some(40 * MS));
     }
 }

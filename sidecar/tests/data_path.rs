@@ -314,6 +314,9 @@ async fn retry_after_keeps_the_provider_out_of_rotation() {
     .await;
     let cooled_at = Instant::now();
     let r = chat(&sc, false).await;
+    // The 429 came between the two instants: the cool-down ends between cooled_at + 2 s
+    // and answered + 2 s, however long a loaded machine took to answer.
+    let answered = Instant::now();
     assert_eq!(r.header("x-tailwarden-provider"), "backup");
     // Requests that start well within the 2 s all go to the backup.
     while cooled_at.elapsed() < MS(1500) {
@@ -322,13 +325,72 @@ async fn retry_after_keeps_the_provider_out_of_rotation() {
         tokio::time::sleep(MS(100)).await;
     }
     assert_eq!(primary.count(), 1);
-    tokio::time::sleep(MS(2300).saturating_sub(cooled_at.elapsed())).await;
+    tokio::time::sleep(MS(2300).saturating_sub(answered.elapsed())).await;
     let r = chat(&sc, false).await;
     assert_eq!(
         r.header("x-tailwarden-provider"),
         "primary",
         "back in rotation after Retry-After"
     );
+}
+
+/// OpenAI's precise headers set the cool-down: `retry-after-ms` over `Retry-After`, and a
+/// 429 with neither takes the reset of its exhausted limit (`x-ratelimit-reset-requests`
+/// when no requests remain), not the other limit's much later reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_ms_and_rate_limit_resets_set_the_cool_down() {
+    for headers in [
+        vec![
+            ("retry-after-ms", "700".to_string()),
+            ("retry-after", "30".to_string()),
+        ],
+        vec![
+            ("x-ratelimit-remaining-requests", "0".to_string()),
+            ("x-ratelimit-reset-requests", "700ms".to_string()),
+            ("x-ratelimit-remaining-tokens", "90000".to_string()),
+            ("x-ratelimit-reset-tokens", "30s".to_string()),
+        ],
+    ] {
+        let scripted = headers.clone();
+        let primary = upstream(move |n, _| {
+            if n == 0 {
+                Script::Respond {
+                    delay: Duration::ZERO,
+                    status: 429,
+                    headers: scripted.clone(),
+                    body: "{}".into(),
+                }
+            } else {
+                ok("primary")
+            }
+        })
+        .await;
+        let backup = upstream(|_, _| ok("backup")).await;
+        let sc = sidecar(&route(
+            &[
+                ("primary", &primary.base_url(), 100, 0),
+                ("backup", &backup.base_url(), 100, 1),
+            ],
+            "  retries: {backoff: {base: 1ms, max: 2ms}}\n",
+        ))
+        .await;
+        let cooled_at = Instant::now();
+        let r = chat(&sc, false).await;
+        // The 429 came between the two instants (see retry_after_keeps_the_provider_out_of_rotation).
+        let answered = Instant::now();
+        assert_eq!(r.header("x-tailwarden-provider"), "backup", "{headers:?}");
+        if cooled_at.elapsed() < MS(400) {
+            let r = chat(&sc, false).await;
+            assert_eq!(r.header("x-tailwarden-provider"), "backup", "{headers:?}");
+        }
+        tokio::time::sleep(MS(1000).saturating_sub(answered.elapsed())).await;
+        let r = chat(&sc, false).await;
+        assert_eq!(
+            r.header("x-tailwarden-provider"),
+            "primary",
+            "back after 700 ms, not 30 s: {headers:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

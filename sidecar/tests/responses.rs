@@ -366,3 +366,256 @@ async fn only_stateless_requests_are_cached() {
     }
     assert_eq!(a.count(), 7);
 }
+
+fn stored_response(id: &str) -> Script {
+    Script::Respond {
+        delay: Duration::ZERO,
+        status: 200,
+        headers: vec![],
+        body: json!({"id": id, "object": "response", "status": "completed", "model": "m", "output": []})
+            .to_string(),
+    }
+}
+
+/// Two equal providers: a follow-up (`previous_response_id`, `conversation`) goes to the
+/// provider that created the response, every time, however the balancer would choose.
+#[tokio::test]
+async fn follow_ups_go_to_the_owner() {
+    let a = upstream(|n, _| stored_response(&format!("resp_a{n}"))).await;
+    let b = upstream(|n, _| stored_response(&format!("resp_b{n}"))).await;
+    let sc = sidecar(&route(
+        &[("a", &a.base_url(), 1, 0), ("b", &b.base_url(), 1, 0)],
+        "",
+    ))
+    .await;
+    let (status, headers, body) = send(
+        &sc,
+        "owner-0",
+        &json!({"model": "m", "input": "hi", "conversation": "conv_1"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let owner = headers["x-tailwarden-provider"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let id = serde_json::from_str::<Value>(&body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for i in 0..12 {
+        let follow_up = if i % 2 == 0 {
+            json!({"model": "m", "input": "and?", "previous_response_id": id})
+        } else {
+            json!({"model": "m", "input": "and?", "conversation": {"id": "conv_1"}})
+        };
+        let (status, headers, _) = send(&sc, &format!("owner-{}", i + 1), &follow_up).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            headers["x-tailwarden-provider"],
+            owner.as_str(),
+            "follow-up {i}"
+        );
+    }
+    let other = if owner == "a" { &b } else { &a };
+    assert_eq!(other.count(), 0, "the other provider never saw a follow-up");
+    // An id the sidecar does not know (made before a restart, or elsewhere) is routed as
+    // usual: the provider answers for it.
+    let (status, _, _) = send(
+        &sc,
+        "unknown-id",
+        &json!({"model": "m", "input": "and?", "previous_response_id": "resp_elsewhere"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
+/// The owner's breaker is open: the follow-up gets a clear 503 naming the owner and the
+/// reason, and the other provider never sees it.
+#[tokio::test]
+async fn a_follow_up_whose_owner_is_down_is_refused_not_rerouted() {
+    let a = upstream(|n, _| {
+        if n == 0 {
+            stream(complete_stream("resp_own"), StreamEnd::Finish)
+        } else {
+            status(500)
+        }
+    })
+    .await;
+    let b = upstream(|_, _| stream(complete_stream("resp_b"), StreamEnd::Finish)).await;
+    let sc = sidecar(&two_providers(
+        &a,
+        &b,
+        "  circuitBreaker: {consecutiveFailures: 3, openFor: 60s}\n",
+    ))
+    .await;
+    let (status_code, headers, _) = send(
+        &sc,
+        "down-0",
+        &json!({"model": "m", "input": "hi", "stream": true}),
+    )
+    .await;
+    assert_eq!(
+        (status_code, &headers["x-tailwarden-provider"]),
+        (200, &"a".parse::<http::HeaderValue>().unwrap())
+    );
+    // Three requests fail on a (and are answered by b): a's breaker opens.
+    for i in 1..=3 {
+        let (s, h, _) = send(
+            &sc,
+            &format!("down-{i}"),
+            &json!({"model": "m", "input": "x", "stream": true}),
+        )
+        .await;
+        assert_eq!(
+            (s, h["x-tailwarden-provider"].to_str().unwrap()),
+            (200, "b")
+        );
+    }
+    assert_eq!(a.count(), 4);
+    let before_b = b.count();
+    let (s, _, body) = send(
+        &sc,
+        "down-follow-up",
+        &json!({"model": "m", "input": "and?", "stream": true, "previous_response_id": "resp_own"}),
+    )
+    .await;
+    assert_eq!(s, 503, "{body}");
+    let error = &serde_json::from_str::<Value>(&body).unwrap()["error"];
+    assert_eq!(error["code"], "owner_unavailable");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("resp_own") && message.contains("provider a"),
+        "{message}"
+    );
+    assert!(message.contains("circuit breaker open"), "{message}");
+    assert_eq!(a.count(), 4, "the open breaker keeps a out");
+    assert_eq!(b.count(), before_b, "b never saw the follow-up");
+    assert!(
+        b.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|s| !s.body.contains("resp_own")),
+        "nothing with the owner's id reached b"
+    );
+}
+
+async fn call(sc: &Sidecar, method: &str, path: &str) -> (u16, http::HeaderMap, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(sc.url(path))
+        .header("authorization", "Bearer client-key")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (
+        status,
+        parts.headers,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+}
+
+/// `GET`, `cancel`, `input_items` and `DELETE` of a response go to the provider that created
+/// it (here b, the primary), not to the home provider (a, listed first); once deleted, the
+/// id is forgotten and goes to the home provider like any unknown id.
+#[tokio::test]
+async fn retrieve_cancel_items_and_delete_go_to_the_owner() {
+    let a = upstream(|_, _| stored_response("resp_home")).await;
+    let b = upstream(|n, _| stored_response(&format!("resp_b{n}"))).await;
+    let sc = sidecar(&route(
+        &[("a", &a.base_url(), 1, 1), ("b", &b.base_url(), 1, 0)],
+        "",
+    ))
+    .await;
+    let (status, headers, _) = send(&sc, "own-0", &json!({"model": "m", "input": "hi"})).await;
+    assert_eq!(
+        (status, headers["x-tailwarden-provider"].to_str().unwrap()),
+        (200, "b")
+    );
+    for (method, path) in [
+        ("GET", "/v1/responses/resp_b0"),
+        ("GET", "/v1/responses/resp_b0/input_items"),
+        ("POST", "/v1/responses/resp_b0/cancel"),
+        ("DELETE", "/v1/responses/resp_b0"),
+    ] {
+        let (status, headers, _) = call(&sc, method, path).await;
+        assert_eq!(status, 200, "{method} {path}");
+        assert_eq!(headers["x-tailwarden-provider"], "b", "{method} {path}");
+    }
+    assert_eq!(a.count(), 0, "the home provider saw none of them");
+    let seen: Vec<String> = b
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.path.clone())
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            "POST /v1/responses",
+            "GET /v1/responses/resp_b0",
+            "GET /v1/responses/resp_b0/input_items",
+            "POST /v1/responses/resp_b0/cancel",
+            "DELETE /v1/responses/resp_b0",
+        ]
+    );
+    for s in b.seen.lock().unwrap().iter() {
+        assert!(s.headers.get("authorization").is_none(), "{}", s.path);
+    }
+    let (status, headers, _) = call(&sc, "GET", "/v1/responses/resp_b0").await;
+    assert_eq!(
+        (status, headers["x-tailwarden-provider"].to_str().unwrap()),
+        (200, "a")
+    );
+}
+
+/// The owner's breaker is open: retrieving the response is a 503 naming the owner and the
+/// reason, and the other provider never sees the request.
+#[tokio::test]
+async fn retrieving_from_an_owner_that_is_down_is_refused() {
+    let a = upstream(|n, _| {
+        if n == 0 {
+            stored_response("resp_gone")
+        } else {
+            status(500)
+        }
+    })
+    .await;
+    let b = upstream(|_, _| stored_response("resp_b")).await;
+    let sc = sidecar(&two_providers(
+        &a,
+        &b,
+        "  circuitBreaker: {consecutiveFailures: 3, openFor: 60s}\n",
+    ))
+    .await;
+    let (s, h, _) = send(&sc, "gone-0", &json!({"model": "m", "input": "hi"})).await;
+    assert_eq!(
+        (s, h["x-tailwarden-provider"].to_str().unwrap()),
+        (200, "a")
+    );
+    for i in 1..=3 {
+        let (s, _, _) = send(
+            &sc,
+            &format!("gone-{i}"),
+            &json!({"model": "m", "input": "x"}),
+        )
+        .await;
+        assert_eq!(s, 200);
+    }
+    let before = (a.count(), b.count());
+    let (s, _, body) = call(&sc, "GET", "/v1/responses/resp_gone").await;
+    assert_eq!(s, 503, "{body}");
+    let error = &serde_json::from_str::<Value>(&body).unwrap()["error"];
+    assert_eq!(error["code"], "owner_unavailable");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("resp_gone") && message.contains("circuit breaker open"),
+        "{message}"
+    );
+    assert_eq!((a.count(), b.count()), before, "nobody saw the request");
+}

@@ -41,6 +41,17 @@ pub struct Exchange {
     /// Per provider (by index): what its capability rules do with this request; empty
     /// when no provider of the route has rules. Set by the policy stage.
     pub decisions: Vec<Decision>,
+    /// The request continues a Responses object owned by one provider: only it is tried.
+    pub pinned: Option<Pinned>,
+}
+
+/// A follow-up bound to the provider that owns its state.
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    /// The owner's index among the route's providers.
+    pub provider: usize,
+    /// The id it owns (`previous_response_id`, a conversation, a response).
+    pub id: String,
 }
 
 impl std::fmt::Debug for Exchange {

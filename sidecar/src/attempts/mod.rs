@@ -106,7 +106,8 @@ impl Providers for LiveProviders<'_, '_> {
         let route = call.route;
         let available = |i: usize| {
             let u = &route.upstreams[i];
-            u.usable()
+            call.ex.pinned.as_ref().is_none_or(|p| p.provider == i)
+                && u.usable()
                 && !matches!(call.ex.decisions.get(i), Some(Decision::Reject { .. }))
                 && u.breaker().is_available(now)
         };
@@ -426,6 +427,17 @@ fn fail(
             };
             (Some(idx), response, error_type)
         }
+        _ if call.ex.pinned.is_some() => {
+            let pinned = call.ex.pinned.as_ref().map_or(0, |p| p.provider);
+            let id = call.ex.pinned.as_ref().map_or("", |p| p.id.as_str());
+            let why = unavailable_reason(call, pinned, std_now());
+            (
+                None,
+                ApiError::owner_unavailable(id, &route.upstreams[pinned].name, &why)
+                    .into_response(),
+                "owner_unavailable",
+            )
+        }
         _ => {
             let reasons = unavailable_reasons(call);
             (
@@ -450,35 +462,45 @@ fn fail(
 }
 
 fn unavailable_reasons(call: &Call<'_>) -> String {
-    let route = call.route;
     let now = std_now();
-    route
+    call.route
         .upstreams
         .iter()
         .enumerate()
-        .map(|(i, u)| {
-            let why = if let Some(Decision::Reject { params, .. }) = call.ex.decisions.get(i) {
-                format!("does not support {}", params.join(", "))
-            } else if let Some(reason) = u.state.unusable.lock().ok().and_then(|r| r.clone()) {
-                reason
-            } else if let Some(until) = route.balancer.cooling_until(i).filter(|t| *t > now) {
-                format!(
-                    "cooling down after a 429/503 for {} ms more",
-                    (until - now).as_millis()
-                )
-            } else if u
-                .state
-                .breaker
-                .lock()
-                .map(|b| !b.is_available(now))
-                .unwrap_or(true)
-            {
-                "circuit breaker open".to_string()
-            } else {
-                "tried".to_string()
-            };
-            format!("{} ({why})", u.name)
-        })
+        .map(|(i, u)| format!("{} ({})", u.name, unavailable_reason(call, i, now)))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Why provider `i` could not take the request.
+fn unavailable_reason(call: &Call<'_>, i: usize, now: std::time::Instant) -> String {
+    if let Some(Decision::Reject { params, .. }) = call.ex.decisions.get(i) {
+        format!("does not support {}", params.join(", "))
+    } else {
+        provider_down(call.route, i, now).unwrap_or_else(|| "tried".to_string())
+    }
+}
+
+/// Why provider `i` of `route` cannot take any request now (no key, cooling down, breaker
+/// open), or `None` when it can.
+pub(crate) fn provider_down(route: &Route, i: usize, now: std::time::Instant) -> Option<String> {
+    let u = &route.upstreams[i];
+    if let Some(reason) = u.state.unusable.lock().ok().and_then(|r| r.clone()) {
+        Some(reason)
+    } else if let Some(until) = route.balancer.cooling_until(i).filter(|t| *t > now) {
+        Some(format!(
+            "cooling down after a 429/503 for {} ms more",
+            (until - now).as_millis()
+        ))
+    } else if u
+        .state
+        .breaker
+        .lock()
+        .map(|b| !b.is_available(now))
+        .unwrap_or(true)
+    {
+        Some("circuit breaker open".to_string())
+    } else {
+        None
+    }
 }

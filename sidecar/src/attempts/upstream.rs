@@ -8,7 +8,7 @@ use std::{collections::VecDeque, time::Duration};
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Either, Full};
 use hyper::body::Incoming;
 use tailwarden_decide::{
     capabilities::Decision,
@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tracing::Span;
 
 use super::Call;
-use crate::{config::Upstream, record::telemetry};
+use crate::{config::Upstream, record::telemetry, state::pool::UpstreamBody};
 
 /// Non-stream responses up to this size are read whole before the client sees anything, so
 /// a failure in the middle of one can still be retried. Larger ones are relayed.
@@ -205,10 +205,11 @@ async fn attempt_inner(
     let (parts, mut body) = response.into_parts();
     let status = parts.status;
     if !status.is_success() {
-        let retry_after = parts
-            .headers
-            .get(header::RETRY_AFTER)
-            .and_then(|v| retry::parse_retry_after(v.as_bytes(), std::time::SystemTime::now()));
+        let retry_after = retry::provider_wait(
+            &parts.headers,
+            status.as_u16(),
+            std::time::SystemTime::now(),
+        );
         let mut collected = BytesMut::new();
         // The error body is short; read it within the same deadline, bounded in size.
         let _ = tokio::time::timeout_at(first_byte_deadline, async {
@@ -361,7 +362,7 @@ pub(crate) struct Outgoing<'a> {
 pub(crate) fn request(
     upstream: &Upstream,
     out: Outgoing<'_>,
-) -> Result<Request<Full<Bytes>>, String> {
+) -> Result<Request<UpstreamBody>, String> {
     let uri = http::Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
@@ -371,7 +372,7 @@ pub(crate) fn request(
     let mut req = Request::builder()
         .method(Method::POST)
         .uri(uri)
-        .body(Full::new(out.body))
+        .body(Either::Left(Full::new(out.body)))
         .map_err(|e| format!("cannot build request: {e}"))?;
     let headers = req.headers_mut();
     headers.insert(

@@ -32,6 +32,7 @@ use crate::{
     record::metrics::Metrics,
     state::{
         BUDGET_WINDOW, BudgetKey, ProviderKey, ProviderState, Registry, RouteState,
+        affinity::Affinity,
         exact::{Caches, ExactCache},
         limits::{LimitConfigError, Limiters, RouteLimiter},
         pool::{Pool, PoolCache},
@@ -218,6 +219,8 @@ pub struct Registries {
     pub providers: Registry<ProviderKey, (), Arc<ProviderState>>,
     /// Retry and hedge budgets, per route.
     pub routes: Registry<Arc<str>, BudgetKey, Arc<RouteState>>,
+    /// Which provider created each Responses object (for every route).
+    pub affinity: Arc<Affinity>,
 }
 
 impl Registries {
@@ -230,6 +233,7 @@ impl Registries {
             semantic: SemanticCaches::default(),
             providers: Registry::default(),
             routes: Registry::default(),
+            affinity: Arc::default(),
         }
     }
 }
@@ -337,6 +341,18 @@ impl RouteTable {
     /// The route serving a model.
     pub fn route_for(&self, model: &str) -> Option<&Arc<Route>> {
         self.by_model.get(model).or(self.default_route.as_ref())
+    }
+
+    /// Whether a route lists `model` by name (not only through `*`).
+    pub fn lists(&self, model: &str) -> bool {
+        self.by_model.contains_key(model)
+    }
+
+    /// The route of the home provider, where pass-through requests that are not routed by
+    /// model go (files, batches, uploads, …): the `*` route, else the first route. Its first
+    /// provider is the home provider.
+    pub fn home(&self) -> Option<&Arc<Route>> {
+        self.default_route.as_ref().or(self.routes.first())
     }
 
     /// Client-facing model names, for `GET /v1/models`.

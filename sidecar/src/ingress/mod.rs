@@ -7,6 +7,7 @@
 //! A route with `streaming.heartbeatInterval` commits a streamed response when no attempt
 //! answered within one interval and sends `: ping` comments while the attempts go on.
 
+pub mod passthrough;
 pub mod respond;
 
 use std::sync::{Arc, atomic::Ordering};
@@ -23,7 +24,8 @@ use tokio::time::Instant;
 use tracing::Span;
 
 use crate::{
-    app::{App, Exchange},
+    app::{App, Exchange, exchange::Pinned},
+    config::Route,
     policy::{self, Verdict},
     record::telemetry,
     relay::{IntoResponse, ProxyBody, heartbeat_response},
@@ -41,6 +43,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ProxyBody
             } else {
                 ApiError::method_not_allowed(req.method(), &path).into_response()
             };
+        }
+        None if path.starts_with("/v1/") => {
+            if app.draining.load(Ordering::Relaxed) {
+                return ApiError::shutting_down().into_response();
+            }
+            return passthrough::handle(app, req, arrived).await;
         }
         None => return ApiError::not_found(&path).into_response(),
     };
@@ -77,6 +85,7 @@ async fn proxy(
         .ok_or_else(|| ApiError::model_not_found(&body.model))?
         .clone();
     telemetry::name_server_span(&span, endpoint.operation(), &body.model, &route.name);
+    let pinned = pin(&app, endpoint, &body, &route)?;
     if raw_body.len() as u64 > route.settings.max_body_bytes {
         return Err(ApiError::too_large(route.settings.max_body_bytes));
     }
@@ -101,6 +110,7 @@ async fn proxy(
         tier,
         stream,
         decisions: Vec::new(),
+        pinned,
     };
 
     let prepared = match policy::decide(&mut ex, &body).await {
@@ -136,6 +146,39 @@ async fn proxy(
         response = &mut pending => Ok(response),
         () = tokio::time::sleep(interval) => Ok(heartbeat_response(pending, interval, endpoint.dialect())),
     }
+}
+
+/// A Responses follow-up (`previous_response_id`, `conversation`) whose owner the sidecar
+/// knows goes to that provider only; an owner outside the request's route is a 400. An
+/// unknown id (created before a restart, or elsewhere) is routed as usual.
+fn pin(
+    app: &App,
+    endpoint: Endpoint,
+    body: &RequestBody<'_>,
+    route: &Route,
+) -> Result<Option<Pinned>, ApiError> {
+    let ids = [endpoint.continues(body), endpoint.conversation(body)];
+    for id in ids.into_iter().flatten() {
+        let Some(owner) = app.registries.affinity.owner(&id) else {
+            continue;
+        };
+        return match route
+            .upstreams
+            .iter()
+            .position(|u| u.name == owner.provider)
+        {
+            Some(provider) if owner.route == route.name => Ok(Some(Pinned {
+                provider,
+                id: id.into_owned(),
+            })),
+            _ => Err(ApiError::owner_not_in_route(
+                &id,
+                &owner.provider,
+                &route.name,
+            )),
+        };
+    }
+    Ok(None)
 }
 
 fn models(app: &App) -> Response<ProxyBody> {

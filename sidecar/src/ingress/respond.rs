@@ -7,7 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
-use tailwarden_decide::{error::ApiError, request::RequestBody};
+use tailwarden_decide::{error::ApiError, request::RequestBody, responses};
 use tokio::time::Instant;
 use tracing::Span;
 
@@ -25,6 +25,7 @@ use crate::{
     },
     relay::{End, IntoResponse, Observer, ProxyBody, Relay, RelayParts},
     state::{
+        affinity::{Owner, Remember},
         exact::Entry,
         fill::Fill,
         limits::{self, AdmissionGuard, Rejection, Scope},
@@ -239,6 +240,21 @@ pub async fn attempted(
                 _ => None,
             };
             let fill = Fill::join(exact, semantic);
+            // Affinity: a stored Responses object belongs to the provider that made it.
+            let owner = (won.status.is_success() && ex.endpoint.stores(body)).then(|| Owner {
+                route: route.name.clone(),
+                provider: upstream.name.clone(),
+            });
+            if let (Some(owner), Some(conversation)) = (&owner, ex.endpoint.conversation(body)) {
+                ex.app
+                    .registries
+                    .affinity
+                    .remember(&conversation, owner.clone());
+            }
+            let remember = Remember {
+                affinity: ex.app.registries.affinity.clone(),
+                owner,
+            };
             let body = match won.rest {
                 None => {
                     // Buffered whole: the observers see it at once.
@@ -251,6 +267,11 @@ pub async fn attempted(
                         );
                     }
                     let whole = concat(won.held);
+                    if let Some(owner) = remember.owner
+                        && let Some(id) = responses::read_body(&whole).and_then(|b| b.id)
+                    {
+                        remember.affinity.remember(&id, owner);
+                    }
                     let mut observers = (recorder, won.verdict, fill);
                     observers.on_chunk(&whole);
                     observers.on_end(End::Complete);
@@ -258,7 +279,7 @@ pub async fn attempted(
                     ProxyBody::full(whole)
                 }
                 Some(rest) => {
-                    let mut observers = (recorder, won.verdict, fill);
+                    let mut observers = ((recorder, remember), won.verdict, fill);
                     for ev in &won.first_events {
                         observers.on_event(ev);
                     }

@@ -135,6 +135,8 @@ pub struct Metrics {
     pub semantic_requests: IntCounterVec,
     pub cache_entries: IntGaugeVec,
     pub cache_bytes: IntGaugeVec,
+    pub passthrough_requests: IntCounterVec,
+    pub passthrough_duration: HistogramVec,
     /// The GenAI conventions' metrics, when `OTEL_SEMCONV_STABILITY_OPT_IN` asks for them.
     pub gen_ai: Option<GenAiMetrics>,
     /// Serialises the per-config series' reset-and-set against each other
@@ -353,6 +355,19 @@ impl Metrics {
                 ),
                 &["route", "result"],
             )?,
+            passthrough_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_passthrough_requests_total",
+                    "Requests to the rest of /v1 (files, batches, audio, images, ...) passed through to a provider, by endpoint family and status class.",
+                ),
+                &["route", "provider", "endpoint", "status_class"],
+            )?,
+            passthrough_duration: histogram(
+                "tailwarden_passthrough_duration_seconds",
+                "Time from a passed-through request's arrival to the provider's response headers, by endpoint family.",
+                &["route", "endpoint"],
+                LATENCY_BUCKETS,
+            )?,
             cache_entries: IntGaugeVec::new(
                 Opts::new(
                     "tailwarden_cache_entries",
@@ -379,6 +394,10 @@ impl Metrics {
                 .register(Box::new(g.time_to_first_chunk.clone()))?;
         }
         m.registry.register(Box::new(m.requests.clone()))?;
+        m.registry
+            .register(Box::new(m.passthrough_requests.clone()))?;
+        m.registry
+            .register(Box::new(m.passthrough_duration.clone()))?;
         m.registry.register(Box::new(m.request_duration.clone()))?;
         m.registry.register(Box::new(m.ttft.clone()))?;
         m.registry.register(Box::new(m.tpot.clone()))?;

@@ -82,6 +82,21 @@ impl<T: Observer> Observer for Option<T> {
     }
 }
 
+impl<A: Observer, B: Observer> Observer for (A, B) {
+    fn on_event(&mut self, event: &SseEvent) {
+        self.0.on_event(event);
+        self.1.on_event(event);
+    }
+    fn on_chunk(&mut self, chunk: &Bytes) {
+        self.0.on_chunk(chunk);
+        self.1.on_chunk(chunk);
+    }
+    fn on_end(&mut self, end: End) {
+        self.0.on_end(end);
+        self.1.on_end(end);
+    }
+}
+
 impl<A: Observer, B: Observer, C: Observer> Observer for (A, B, C) {
     fn on_event(&mut self, event: &SseEvent) {
         self.0.on_event(event);

@@ -14,7 +14,8 @@
 //! | connection pools | origin, connect timeout, `maxConnections` | any of them changed |
 //! | rate limiters, exact and semantic caches | route | their settings changed |
 //!
-//! The stores themselves are here too: [`pool`] (connections, with [`dns`]), [`limits`]
+//! The stores themselves are here too: [`affinity`] (which provider owns each Responses
+//! object), [`pool`] (connections, with [`dns`]), [`limits`]
 //! (admission: buckets, queues, tenants; shared through [`redis`]), [`exact`] and
 //! [`shared`] (the exact cache, local and across replicas), [`semantic`] (the semantic
 //! cache's entries) and [`fill`] (recording a response for them).
@@ -23,6 +24,7 @@
 //! is gone). A breaker whose settings changed keeps its state and takes the new thresholds
 //! ([`CircuitBreaker::reconfigure`]).
 
+pub mod affinity;
 pub mod dns;
 pub mod exact;
 pub mod fill;

@@ -11,7 +11,8 @@
 use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{Either, Full, Limited};
+use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
@@ -21,8 +22,9 @@ use tokio::sync::Semaphore;
 
 use super::{Registry, dns::CachingResolver};
 
-/// The request body type sent upstream: the (possibly rewritten) client body, in memory.
-pub type UpstreamBody = Full<Bytes>;
+/// The request body type sent upstream: the (possibly rewritten) client body in memory, or
+/// a pass-through body streamed as it arrives (bounded).
+pub type UpstreamBody = Either<Full<Bytes>, Limited<Incoming>>;
 /// A pooled client.
 pub type HttpClient = Client<HttpsConnector<HttpConnector<CachingResolver>>, UpstreamBody>;
 
