@@ -5,8 +5,7 @@
 //! writes it to stderr with one `write`, every [`FLUSH_INTERVAL`] or as soon as the batch
 //! passes [`WAKE_AT`] bytes. So a request pays neither a `write` syscall nor a thread wake-up
 //! for its line, and the formatting is plain appends of bytes rather than a `tracing` event
-//! through `tracing-subscriber`'s JSON formatter (`make bench-profile` counts what a request
-//! costs in instructions and allocations).
+//! through `tracing-subscriber`'s JSON formatter.
 //!
 //! The batch is bounded ([`MAX_PENDING`] bytes, thousands of lines): if stderr does not
 //! keep up (a blocked log pipe), further lines are dropped rather than stalling requests or
