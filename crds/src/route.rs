@@ -59,6 +59,7 @@ use crate::units::{ByteSize, Decimal, DurationString};
     validation = Rule::new("'*' in self.models || self.providers.all(p, !has(p.pricing) || p.pricing.all(x, x.model in self.models || (has(p.modelMap) && p.modelMap.exists(k, p.modelMap[k] == x.model))))").message("pricing entries must name a model the provider serves: a spec.models entry or a modelMap target").field_path(".providers"),
     validation = Rule::new("!has(self.tiers) || '*' in self.models || self.tiers.all(t, t.model in self.models)").message("tier models must be models this route serves (listed in spec.models)").field_path(".tiers"),
     validation = Rule::new("!has(self.tiers) || self.tiers.all(t, self.tiers.filter(u, u.name == t.name).size() == 1)").message("tier names must be unique").field_path(".tiers"),
+    validation = Rule::new("(!has(self.contextBudget) || !has(self.contextBudget.perTenant) || (has(self.rateLimit) && has(self.rateLimit.tenantHeader))) && (!has(self.tiers) || self.tiers.all(t, !has(t.contextBudget) || !has(t.contextBudget.perTenant) || (has(self.rateLimit) && has(self.rateLimit.tenantHeader))))").message("contextBudget.perTenant needs rateLimit.tenantHeader: it names the header that says who the tenant is").field_path(".contextBudget"),
     validation = Rule::new("!self.hedging.enabled || self.retries.maxAttempts >= 2").message("hedging needs retries.maxAttempts of at least 2: a hedge is an extra attempt").field_path(".hedging.enabled"),
     validation = Rule::new("self.hedging.delay == 'auto' || !self.hedging.delay.matches('^([0-9]+(\\\\.[0-9]+)?(ns|us|ms|s|m|h))+$') || duration(self.hedging.delay) < duration(self.timeouts.firstByte)").message("hedging.delay must be shorter than timeouts.firstByte, or the hedge can never start").field_path(".hedging.delay"),
     validation = Rule::new("!has(self.slo) || !has(self.slo.ttftP99) || duration(self.slo.ttftP99) <= duration(self.timeouts.firstByte)").message("slo.ttftP99 must not exceed timeouts.firstByte").field_path(".slo.ttftP99"),
@@ -85,6 +86,13 @@ pub struct InferenceRouteSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub tiers: Vec<Tier>,
+
+    /// Trim chat histories to a token budget before they go upstream (opt-in): system
+    /// prompts and the last turns are kept, the oldest turns in between are dropped first,
+    /// and a tool call is never parted from its result. A tier's own `contextBudget`
+    /// replaces this one for its requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_budget: Option<ContextBudget>,
 
     /// Per-phase deadlines for each request.
     #[serde(default)]
@@ -304,6 +312,71 @@ pub struct Tier {
     /// Conditions that must all hold for a request to fall in this tier.
     #[serde(default)]
     pub when: TierMatch,
+    /// The context budget of requests in this tier, instead of the route's
+    /// `contextBudget` (for example more room for a high-value tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_budget: Option<ContextBudget>,
+}
+
+/// A token budget for a chat's history (`messages` of `/v1/chat/completions`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("self.maxTokens >= 16 && self.maxTokens <= 10000000").message("maxTokens must be between 16 and 10000000").field_path(".maxTokens"),
+    validation = Rule::new("self.keepLastTurns >= 1 && self.keepLastTurns <= 1000").message("keepLastTurns must be between 1 and 1000: the turn being asked is always kept").field_path(".keepLastTurns"),
+    validation = Rule::new("!has(self.perTenant) || self.perTenant.all(k, self.perTenant[k] >= 16 && self.perTenant[k] <= 10000000)").message("perTenant budgets must be between 16 and 10000000 tokens").field_path(".perTenant")
+)]
+pub struct ContextBudget {
+    /// Most tokens a request may send: its messages (with OpenAI's per-message framing),
+    /// its tool definitions and the reply priming, 16 to 10000000.
+    pub max_tokens: u64,
+    /// Turns at the end of the conversation that are always kept, 1 to 1000. A turn is a
+    /// user message and every assistant and tool message after it. Default 1.
+    #[serde(default = "defaults::keep_last_turns")]
+    pub keep_last_turns: u32,
+    /// Over the budget: `trim` drops the oldest turns between the system prompt and the
+    /// kept last turns until the request fits (and answers 400 when even that minimum is
+    /// over); `reject` never changes a conversation and answers 400 naming its size and the
+    /// budget. Default `trim`.
+    #[serde(default)]
+    pub on_overflow: OnOverflow,
+    /// How tokens are counted: `auto` uses OpenAI's own encoding for OpenAI models
+    /// (`o200k_base` for gpt-4o, gpt-4.1, o-series and later, `cl100k_base` for gpt-4 and
+    /// gpt-3.5) and an estimate of 4 characters per token for every other model; or name
+    /// one: `o200kBase`, `cl100kBase`, `estimate`. Default `auto`.
+    #[serde(default)]
+    pub tokenizer: TokenizerName,
+    /// A larger (or smaller) `maxTokens` per tenant, by the value of
+    /// `rateLimit.tenantHeader`, so that high-value tenants get more room.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 256))]
+    pub per_tenant: BTreeMap<String, u64>,
+}
+
+/// What a request over its context budget gets.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum OnOverflow {
+    /// Drop the oldest middle turns until it fits.
+    #[default]
+    Trim,
+    /// Answer 400 without changing the conversation.
+    Reject,
+}
+
+/// A tokenizer for context budgets.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum TokenizerName {
+    /// OpenAI's encoding for OpenAI models, the estimate for others.
+    #[default]
+    Auto,
+    /// OpenAI's `o200k_base`.
+    O200kBase,
+    /// OpenAI's `cl100k_base`.
+    Cl100kBase,
+    /// 4 characters per token.
+    Estimate,
 }
 
 /// Conditions on a request; all that are set must hold.
@@ -1040,6 +1113,9 @@ mod defaults {
     }
     pub fn semantic_timeout() -> DurationString {
         DurationString::lit("2s")
+    }
+    pub fn keep_last_turns() -> u32 {
+        1
     }
     pub fn max_body_bytes() -> ByteSize {
         ByteSize::lit("16Mi")

@@ -187,6 +187,15 @@ fn valid_routes_load() {
                        {"unsupported": ["response_format"]}]),
             )
         }),
+        ("context budgets per route, tier and tenant", |d| {
+            set(
+                d,
+                "/spec/contextBudget",
+                json!({"maxTokens": 8000, "keepLastTurns": 4, "onOverflow": "reject",
+                       "tokenizer": "o200kBase", "perTenant": {"acme": 32000}}),
+            );
+            set(d, "/spec/tiers/0/contextBudget", json!({"maxTokens": 2000}));
+        }),
     ];
     for (name, edit) in cases {
         let mut doc = base();
@@ -656,6 +665,49 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             |d| set(d, "/spec/cache/semantic/maxEntries", json!(10001)),
             "spec.cache.semantic.maxEntries",
             "maxEntries must be between 1 and 10000",
+        ),
+        (
+            "context budget too small",
+            |d| set(d, "/spec/contextBudget", json!({"maxTokens": 8})),
+            "spec.contextBudget.maxTokens",
+            "maxTokens must be between 16 and 10000000",
+        ),
+        (
+            "context budget keeps no turn",
+            |d| {
+                set(
+                    d,
+                    "/spec/contextBudget",
+                    json!({"maxTokens": 800, "keepLastTurns": 0}),
+                )
+            },
+            "spec.contextBudget.keepLastTurns",
+            "keepLastTurns must be between 1 and 1000: the turn being asked is always kept",
+        ),
+        (
+            "context budget per tenant without a tenant header",
+            |d| {
+                remove(d, "/spec/rateLimit/tenantHeader");
+                set(
+                    d,
+                    "/spec/tiers/0/contextBudget",
+                    json!({"maxTokens": 800, "perTenant": {"acme": 9000}}),
+                );
+            },
+            "spec.contextBudget",
+            "contextBudget.perTenant needs rateLimit.tenantHeader: it names the header that says who the tenant is",
+        ),
+        (
+            "context budget of a tenant too small",
+            |d| {
+                set(
+                    d,
+                    "/spec/contextBudget",
+                    json!({"maxTokens": 800, "perTenant": {"acme": 1}}),
+                )
+            },
+            "spec.contextBudget.perTenant",
+            "perTenant budgets must be between 16 and 10000000 tokens",
         ),
         (
             "heartbeat too frequent",

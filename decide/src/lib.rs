@@ -14,6 +14,7 @@
 //! | [`passthrough`] | the rest of `/v1`: safe paths, where each request goes, what may be resent |
 //! | [`error`] | the OpenAI-shaped error a refused request gets (plain data) |
 //! | [`tiers`] | which content tier (and so which model) a request falls in |
+//! | [`context`] | which turns of a chat fit its token budget (real BPE counts for OpenAI models) |
 //! | [`cache_key`] | the exact cache's key and the client's cache directives |
 //! | [`semantic`] | what the semantic cache compares, and the guards against a flipped answer |
 //! | [`bucket`] | token buckets (GCRA) of the admission limits |
@@ -32,6 +33,7 @@ pub mod breaker;
 pub mod bucket;
 pub mod cache_key;
 pub mod capabilities;
+pub mod context;
 pub mod error;
 pub mod hedge;
 pub mod passthrough;

@@ -275,6 +275,32 @@ impl<'a> RequestBody<'a> {
         self.members.iter().map(|(k, v)| (k.as_ref(), *v))
     }
 
+    /// The body with one top-level member's value replaced by `raw` (valid JSON), every
+    /// other member copied verbatim and in order (the context budget's trimmed `messages`).
+    pub fn with_member(&self, name: &str, raw: &str) -> Vec<u8> {
+        let size: usize = self
+            .members
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum();
+        let mut out = Vec::with_capacity(size + raw.len());
+        out.push(b'{');
+        for (i, (key, value)) in self.members.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            // Keys came from valid JSON; re-encoding a str cannot fail.
+            if serde_json::to_writer(&mut out, key.as_ref()).is_err() {
+                out.extend_from_slice(b"\"\"");
+            }
+            out.push(b':');
+            let value = if key == name { raw } else { value.get() };
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.push(b'}');
+        out
+    }
+
     /// The body to send upstream: `None` means the original bytes can be sent unchanged.
     /// `model` replaces the model when it differs; `add_usage` asks for the stream usage
     /// chunk when the client did not.

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use tailwarden_decide::{
     capabilities::Decision,
+    context::ContextReport,
     request::{Endpoint, RequestBody},
     tiers::CompiledTier,
 };
@@ -43,6 +44,8 @@ pub struct Exchange {
     pub decisions: Vec<Decision>,
     /// The request continues a Responses object owned by one provider: only it is tried.
     pub pinned: Option<Pinned>,
+    /// What the context budget did (routes with a `contextBudget`).
+    pub context: Option<ContextReport>,
 }
 
 /// A follow-up bound to the provider that owns its state.

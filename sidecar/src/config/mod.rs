@@ -21,6 +21,7 @@ use tailwarden_decide::{
     balance::{BalanceSettings, Balancer, EndpointSpec},
     breaker::{BreakerSettings, CircuitBreaker},
     capabilities::CapabilityMap,
+    context::ContextBudgets,
     hedge::HedgeMode,
     retry::{BudgetSettings, RetryClasses},
     schedule::{AUTO_HEDGE_QUANTILE, CooldownSettings, HedgePolicy, Policy},
@@ -204,6 +205,8 @@ pub struct Route {
     pub semantic: Option<Arc<SemanticCache>>,
     /// Whether any provider has capability rules (skips the per-request check otherwise).
     pub has_capabilities: bool,
+    /// The context budgets (`contextBudget` of the route and its tiers), tokenizers loaded.
+    pub context: ContextBudgets,
 }
 
 /// State that outlives a config: connection pools, rate limiters (buckets, queues, Redis
@@ -491,6 +494,7 @@ fn compile_route(
         cache,
         semantic,
         has_capabilities,
+        context: ContextBudgets::compile(spec),
         name,
         spec: spec.clone(),
         settings,

@@ -111,7 +111,25 @@ async fn proxy(
         stream,
         decisions: Vec::new(),
         pinned,
+        context: None,
     };
+    // The context budget first: every later stage sees the body as it will be sent.
+    let raw_body = match policy::context::apply(&mut ex, &body) {
+        Ok(None) => raw_body,
+        Ok(Some(trimmed)) => {
+            ex.raw_body = trimmed.clone();
+            trimmed
+        }
+        Err(error) => {
+            return Ok(respond::refused(
+                &ex,
+                &body,
+                error,
+                "context_budget_exceeded",
+            ));
+        }
+    };
+    let body = RequestBody::parse(&raw_body)?;
 
     let prepared = match policy::decide(&mut ex, &body).await {
         Verdict::Proceed(prepared) => prepared,

@@ -59,6 +59,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
         span: ex.span.clone(),
         attempt_span: Span::none(),
         cache: None,
+        context: ex.context,
     }
 }
 
@@ -153,6 +154,27 @@ pub fn rejected(
     response
 }
 
+/// The sidecar's own refusal of a request before any policy ran (a context budget
+/// overflow): recorded like every request, never sent anywhere.
+pub fn refused(
+    ex: &Exchange,
+    body: &RequestBody<'_>,
+    error: ApiError,
+    error_type: &'static str,
+) -> Response<ProxyBody> {
+    let mut info = request_info(ex, body, error.status.as_u16());
+    info.request_bytes = ex.raw_body.len();
+    telemetry::refused(
+        &ex.span,
+        error.status.as_u16(),
+        error.code.unwrap_or(error.kind),
+    );
+    drop(Recorder::finished(info, Some(error_type)));
+    let mut response = error.into_response();
+    finish_headers(&mut response, ex, None);
+    response
+}
+
 /// The 400 when no provider of the route takes the request's parameters.
 pub fn unsupported(
     ex: &Exchange,
@@ -211,6 +233,7 @@ pub async fn attempted(
         span: ex.span.clone(),
         attempt_span: Span::none(),
         cache: cache.label(),
+        context: ex.context,
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -361,6 +384,14 @@ fn finish_headers(response: &mut Response<ProxyBody>, ex: &Exchange, cache: Opti
     }
     if let Some(cache) = cache {
         headers.insert("x-tailwarden-cache", HeaderValue::from_static(cache));
+    }
+    if let Some(c) = &ex.context {
+        headers.insert("x-tailwarden-context-tokens", HeaderValue::from(c.tokens));
+        headers.insert("x-tailwarden-context-trimmed", HeaderValue::from(c.trimmed));
+        headers.insert(
+            "x-tailwarden-context-tokenizer",
+            HeaderValue::from_static(c.tokenizer),
+        );
     }
     set_header(headers, "x-request-id", &ex.request_id);
 }

@@ -15,6 +15,11 @@
 //!    every usable provider refuses them, a 400.
 //!
 //! The stage only decides ([`Verdict`]); ingress turns an answer into the response.
+//!
+//! Before all of them, [`context`] trims the chat to the route's token budget: the cache
+//! key, the admission estimate and the providers all see the trimmed body.
+
+pub mod context;
 
 use tailwarden_decide::{
     cache_key::{CacheKey, NotCacheable},

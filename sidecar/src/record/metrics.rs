@@ -139,6 +139,9 @@ pub struct Metrics {
     pub passthrough_duration: HistogramVec,
     /// The GenAI conventions' metrics, when `OTEL_SEMCONV_STABILITY_OPT_IN` asks for them.
     pub gen_ai: Option<GenAiMetrics>,
+    pub context_requests: IntCounterVec,
+    pub context_trimmed_tokens: IntCounterVec,
+    pub cost_saved: CounterVec,
     /// Serialises the per-config series' reset-and-set against each other
     /// ([`crate::config::series`]).
     pub series_lock: std::sync::Mutex<()>,
@@ -383,6 +386,34 @@ impl Metrics {
                 &["route"],
             )?,
             gen_ai: gen_ai.then(GenAiMetrics::new).transpose()?,
+            context_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_context_requests_total",
+                    "Chat requests of routes with a contextBudget, by what the budget did: within, trimmed, rejected (400).",
+                ),
+                &["route", "result"],
+            )?,
+            context_trimmed_tokens: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_context_trimmed_tokens_total",
+                    "Input tokens the context budget trimmed from chat histories before they went upstream.",
+                ),
+                &["route"],
+            )?,
+            cost_saved: CounterVec::new(
+                Opts::new(
+                    "tailwarden_cost_saved_total",
+                    "Cost avoided, in the pricing's currency units, by reason (context_trim: trimmed input tokens at the serving provider's input price), and the workload the sidecar serves.",
+                ),
+                &[
+                    "route",
+                    "provider",
+                    "model",
+                    "reason",
+                    "namespace",
+                    "workload",
+                ],
+            )?,
             series_lock: std::sync::Mutex::new(()),
             registry,
         };
@@ -434,6 +465,10 @@ impl Metrics {
             .register(Box::new(m.access_log_dropped.clone()))?;
         m.registry.register(Box::new(m.cache_entries.clone()))?;
         m.registry.register(Box::new(m.cache_bytes.clone()))?;
+        m.registry.register(Box::new(m.context_requests.clone()))?;
+        m.registry
+            .register(Box::new(m.context_trimmed_tokens.clone()))?;
+        m.registry.register(Box::new(m.cost_saved.clone()))?;
         Ok(m)
     }
 

@@ -12,7 +12,7 @@ use std::{sync::Arc, time::Duration};
 use rust_decimal::prelude::ToPrimitive;
 use tokio::time::Instant;
 
-use tailwarden_decide::{sse::SseEvent, usage::Price};
+use tailwarden_decide::{context::ContextReport, sse::SseEvent, usage::Price};
 
 use super::{metrics::Metrics, telemetry};
 use crate::{
@@ -87,6 +87,8 @@ pub struct RequestInfo {
     pub attempt_span: tracing::Span,
     /// The exact cache's verdict (`hit`, `miss`, `bypass`) on routes with a cache.
     pub cache: Option<&'static str>,
+    /// What the context budget did (routes with a `contextBudget`).
+    pub context: Option<ContextReport>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,6 +290,29 @@ impl Drop for Recorder {
                 cost = Some(c);
             }
         }
+        // What the context budget saved: the trimmed tokens at the serving provider's
+        // input price (a request no provider served saved nothing).
+        if let (Some(ctx), Some(price), true) = (&i.context, &i.price, served_upstream)
+            && ctx.trimmed > 0
+        {
+            let saved = price.cost(&Usage {
+                input: ctx.trimmed,
+                cached_input: 0,
+                output: 0,
+                reasoning: 0,
+                estimated: false,
+            });
+            m.cost_saved
+                .with_label_values(&[
+                    &i.route,
+                    provider,
+                    &i.model,
+                    "context_trim",
+                    namespace,
+                    workload,
+                ])
+                .inc_by(saved.to_f64().unwrap_or(0.0));
+        }
         // Time per output token: streams that ended well, from the first token on.
         if let (Some(ttft), Some(u), "2xx") = (self.ttft, &usage, class)
             && i.stream
@@ -354,6 +379,13 @@ impl Drop for Recorder {
             l.opt_str("service_account", i.identity.service_account.as_deref());
             l.opt_str("workload_kind", i.identity.workload_kind.as_deref());
             l.opt_str("workload", i.identity.workload.as_deref());
+            l.opt_u64("context_tokens", i.context.map(|c| c.tokens));
+            l.opt_u64("context_trimmed_tokens", i.context.map(|c| c.trimmed));
+            l.opt_u64(
+                "context_dropped_messages",
+                i.context.map(|c| c.dropped as u64),
+            );
+            l.opt_str("context_tokenizer", i.context.map(|c| c.tokenizer));
         });
         if !logged {
             m.access_log_dropped.inc();
