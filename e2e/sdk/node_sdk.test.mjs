@@ -2,7 +2,7 @@
 // Run by e2e/sdk/run.sh (node --test).
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import OpenAI from "openai";
+import OpenAI, { toFile } from "openai";
 
 const client = new OpenAI({ maxRetries: 0, timeout: 30_000 });
 
@@ -82,4 +82,62 @@ test("503 is InternalServerError", async () => {
     ),
     (e) => e instanceof OpenAI.InternalServerError && e.status === 503,
   );
+});
+
+test("responses: non-streaming", async () => {
+  const r = await client.responses.create({ model: "sdk-chat", input: "hello there" });
+  assert.equal(r.object, "response");
+  assert.equal(r.status, "completed");
+  assert.ok(r.output_text.length > 0);
+  assert.ok(r.usage.output_tokens > 0);
+});
+
+test("responses: streaming", async () => {
+  const stream = await client.responses.create({ model: "sdk-chat", input: "hello", stream: true });
+  const types = [];
+  let text = "";
+  let completed = null;
+  for await (const event of stream) {
+    types.push(event.type);
+    if (event.type === "response.output_text.delta") text += event.delta;
+    if (event.type === "response.completed") completed = event.response;
+  }
+  assert.equal(types[0], "response.created");
+  assert.equal(types.at(-1), "response.completed");
+  assert.ok(text.length > 0);
+  assert.ok(completed.usage.output_tokens > 0);
+});
+
+test("responses: retrieve and a follow-up reach the owner", async () => {
+  const first = await client.responses.create({ model: "sdk-chat", input: "remember this" });
+  const { data: got, response } = await client.responses.retrieve(first.id).withResponse();
+  assert.equal(got.id, first.id);
+  assert.equal(response.headers.get("x-tailwarden-provider"), "sim");
+  const follow = await client.responses.create({
+    model: "sdk-chat",
+    input: "and then?",
+    previous_response_id: first.id,
+  });
+  assert.equal(follow.status, "completed");
+});
+
+test("moderations pass through", async () => {
+  const m = await client.moderations.create({ model: "sdk-chat", input: "hello" });
+  assert.equal(m.results.length, 1);
+  assert.equal(m.results[0].flagged, false);
+});
+
+test("files upload passes through", async () => {
+  const content = '{"custom_id": "1"}\n'.repeat(4096);
+  const f = await client.files.create({
+    file: await toFile(Buffer.from(content), "in.jsonl"),
+    purpose: "batch",
+  });
+  assert.ok(f.id.startsWith("file-sim-"));
+  assert.ok(f.bytes > content.length);
+});
+
+test("models retrieve", async () => {
+  const m = await client.models.retrieve("sdk-chat");
+  assert.equal(m.id, "sdk-chat");
 });

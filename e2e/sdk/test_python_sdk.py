@@ -1,7 +1,8 @@
 """The real OpenAI Python SDK against tailwarden-sidecar, configured only by its base URL.
 
 Run by e2e/sdk/run.sh, which starts tailwarden-sim and tailwarden-sidecar and exports
-OPENAI_BASE_URL. Model `sdk-chat` retries; model `sdk-errors` passes provider errors through.
+OPENAI_BASE_URL. Model `sdk-chat` retries; model `sdk-errors` passes provider errors through. Files,
+moderations and response retrieval go through the sidecar's pass-through to the simulator.
 """
 
 import openai
@@ -108,3 +109,60 @@ def test_embeddings(client):
 def test_models_lists_the_routes(client):
     ids = {m.id for m in client.models.list()}
     assert {"sdk-chat", "sdk-errors"} <= ids
+
+
+def test_responses_non_streaming(client):
+    r = client.responses.create(model="sdk-chat", input="hello there")
+    assert r.object == "response"
+    assert r.status == "completed"
+    assert r.output_text
+    assert r.usage.output_tokens > 0
+
+
+def test_responses_streaming(client):
+    stream = client.responses.create(model="sdk-chat", input="hello", stream=True)
+    types, text, completed = [], "", None
+    for event in stream:
+        types.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type == "response.completed":
+            completed = event.response
+    assert types[0] == "response.created"
+    assert types[-1] == "response.completed"
+    assert text
+    assert completed is not None and completed.usage.output_tokens > 0
+
+
+def test_responses_retrieve_and_follow_up_reach_the_owner(client):
+    first = client.responses.create(model="sdk-chat", input="remember this")
+    got = client.responses.with_raw_response.retrieve(first.id)
+    assert got.headers["x-tailwarden-provider"] == "sim"
+    assert got.parse().id == first.id
+    follow = client.responses.with_raw_response.create(
+        model="sdk-chat", input="and then?", previous_response_id=first.id
+    )
+    assert follow.headers["x-tailwarden-provider"] == "sim"
+    assert follow.parse().status == "completed"
+    assert client.responses.input_items.list(first.id).data == []
+
+
+def test_moderations_pass_through(client):
+    m = client.moderations.create(model="sdk-chat", input=["hello", "world"])
+    assert len(m.results) == 2
+    assert m.results[0].flagged is False
+
+
+def test_files_upload_pass_through(client):
+    content = b'{"custom_id": "1"}\n' * 4096
+    f = client.files.create(file=("in.jsonl", content), purpose="batch")
+    assert f.id.startswith("file-sim-")
+    # What reached the provider: the whole multipart body, the file inside it.
+    assert f.bytes > len(content)
+    assert client.files.retrieve(f.id).id == f.id
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve("sdk-chat").id == "sdk-chat"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")

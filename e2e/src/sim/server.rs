@@ -467,13 +467,18 @@ async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<SimBody>, ResetConnection> {
     let method = req.method().clone();
-    let endpoint = match req.uri().path() {
+    let path = req.uri().path().to_owned();
+    let endpoint = match path.as_str() {
         "/v1/chat/completions" => Endpoint::ChatCompletions,
         "/v1/completions" => Endpoint::Completions,
         "/v1/embeddings" => Endpoint::Embeddings,
         "/v1/responses" => Endpoint::Responses,
         "/v1/models" => Endpoint::Models,
         "/healthz" => Endpoint::Healthz,
+        "/v1/moderations" => Endpoint::Moderations,
+        "/v1/files" => Endpoint::Files,
+        p if p.starts_with("/v1/files/") => Endpoint::Files,
+        p if p.starts_with("/v1/responses/") => Endpoint::ResponseObject,
         "/sim/stats" if method == Method::GET => {
             let body = serde_json::to_vec(&state.snapshot()).unwrap_or_default();
             return Ok(json_response(StatusCode::OK, Bytes::from(body)));
@@ -489,6 +494,8 @@ async fn handle(
         .record_request(endpoint, req.headers().get(AUTHORIZATION));
     let wanted = match endpoint {
         Endpoint::Models | Endpoint::Healthz => Method::GET,
+        // Their own methods, checked by `objects`.
+        Endpoint::Files | Endpoint::ResponseObject => method.clone(),
         _ => Method::POST,
     };
     if endpoint == Endpoint::Other {
@@ -527,7 +534,103 @@ async fn handle(
         Endpoint::Completions => generate(&state, req, Api::Completion).await,
         Endpoint::Responses => generate(&state, req, Api::Responses).await,
         Endpoint::Embeddings => embeddings(&state, req).await,
+        Endpoint::Moderations | Endpoint::Files | Endpoint::ResponseObject => {
+            objects(&state, endpoint, &method, &path, req).await
+        }
         Endpoint::Other => Ok(Response::new(SimBody::empty())),
+    }
+}
+
+/// Enough of the rest of the API to test a pass-through: moderations (never flagged),
+/// file uploads (multipart, streamed and counted, never stored: `bytes` is what arrived),
+/// and a stored response by id (always completed, empty output). No faults, no latency.
+async fn objects(
+    state: &SimState,
+    endpoint: Endpoint,
+    method: &Method,
+    path: &str,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ResetConnection> {
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let ok = |body: serde_json::Value| {
+        state.stats.record_outcome(Outcome::Ok);
+        Ok(json_response(StatusCode::OK, Bytes::from(body.to_string())))
+    };
+    let not_allowed = || {
+        state.stats.record_outcome(Outcome::NotFound);
+        Ok(error_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &format!("Method {method} not allowed for {path}"),
+            "invalid_request_error",
+            None,
+        ))
+    };
+    match (endpoint, method.clone()) {
+        (Endpoint::Moderations, _) => {
+            let body = match read_body(req).await {
+                Ok(b) => b,
+                Err(Some(resp)) => return Ok(resp),
+                Err(None) => return Err(ResetConnection),
+            };
+            let parsed: serde_json::Value = match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(e) => return Ok(bad_json(&e)),
+            };
+            let inputs = match &parsed["input"] {
+                serde_json::Value::Array(items) => items.len().max(1),
+                _ => 1,
+            };
+            let result = serde_json::json!({"flagged": false, "categories": {}, "category_scores": {}, "category_applied_input_types": {}});
+            ok(serde_json::json!({
+                "id": format!("modr-sim-{n}"),
+                "model": parsed["model"].as_str().unwrap_or("omni-moderation-latest"),
+                "results": vec![result; inputs],
+            }))
+        }
+        (Endpoint::Files, Method::POST) if path == "/v1/files" => {
+            // Streamed: counted as it arrives, never held.
+            let mut body = req.into_body();
+            let mut bytes = 0u64;
+            while let Some(frame) = body.frame().await {
+                match frame {
+                    Ok(f) => bytes += f.data_ref().map_or(0, |d| d.len() as u64),
+                    Err(_) => return Err(ResetConnection),
+                }
+            }
+            ok(serde_json::json!({
+                "id": format!("file-sim-{n}"), "object": "file", "bytes": bytes,
+                "created_at": 0, "filename": "upload", "purpose": "batch", "status": "processed",
+            }))
+        }
+        (Endpoint::Files, Method::GET) if path != "/v1/files" => {
+            let id = path.trim_start_matches("/v1/files/");
+            ok(serde_json::json!({
+                "id": id, "object": "file", "bytes": 0, "created_at": 0,
+                "filename": "upload", "purpose": "batch", "status": "processed",
+            }))
+        }
+        (Endpoint::ResponseObject, m) => {
+            let rest = path.trim_start_matches("/v1/responses/");
+            let (id, sub) = rest.split_once('/').unwrap_or((rest, ""));
+            let response = serde_json::json!({
+                "id": id, "object": "response", "created_at": 0, "status": "completed",
+                "model": "sim", "output": [], "parallel_tool_calls": true, "tool_choice": "auto",
+                "tools": [], "error": null, "incomplete_details": null, "instructions": null,
+                "metadata": {}, "temperature": 1.0, "top_p": 1.0,
+            });
+            match (m, sub) {
+                (Method::GET, "") => ok(response),
+                (Method::POST, "cancel") => ok(response),
+                (Method::GET, "input_items") => ok(serde_json::json!({
+                    "object": "list", "data": [], "first_id": null, "last_id": null, "has_more": false,
+                })),
+                (Method::DELETE, "") => {
+                    ok(serde_json::json!({"id": id, "object": "response", "deleted": true}))
+                }
+                _ => not_allowed(),
+            }
+        }
+        _ => not_allowed(),
     }
 }
 

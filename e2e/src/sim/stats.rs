@@ -29,18 +29,27 @@ pub enum Endpoint {
     Models,
     /// `GET /healthz`
     Healthz,
+    /// `POST /v1/moderations`
+    Moderations,
+    /// `POST /v1/files` (multipart), `GET /v1/files/{id}`
+    Files,
+    /// `GET`/`DELETE /v1/responses/{id}`, `…/input_items`, `POST …/cancel`
+    ResponseObject,
     /// Anything else (404/405).
     Other,
 }
 
 impl Endpoint {
-    const ALL: [Self; 7] = [
+    const ALL: [Self; 10] = [
         Self::ChatCompletions,
         Self::Completions,
         Self::Embeddings,
         Self::Responses,
         Self::Models,
         Self::Healthz,
+        Self::Moderations,
+        Self::Files,
+        Self::ResponseObject,
         Self::Other,
     ];
 
@@ -52,6 +61,9 @@ impl Endpoint {
             Self::Responses => "responses",
             Self::Models => "models",
             Self::Healthz => "healthz",
+            Self::Moderations => "moderations",
+            Self::Files => "files",
+            Self::ResponseObject => "response_object",
             Self::Other => "other",
         }
     }
