@@ -300,7 +300,8 @@ pub struct Pricing {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(
-    validation = Rule::new("self.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("tier name must be a DNS label").field_path(".name")
+    validation = Rule::new("self.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("tier name must be a DNS label").field_path(".name"),
+    validation = Rule::new("!has(self.priority) || self.priority <= 9").message("tier priority must be between 0 and 9").field_path(".priority")
 )]
 pub struct Tier {
     /// Name of the tier, shown in the `x-tailwarden-tier` header, logs and metrics.
@@ -316,6 +317,10 @@ pub struct Tier {
     /// `contextBudget` (for example more room for a high-value tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_budget: Option<ContextBudget>,
+    /// The concurrency-queue priority of requests in this tier, 0 to 9 (see
+    /// `rateLimit.priority`; a request's priority header still wins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
 }
 
 /// A token budget for a chat's history (`messages` of `/v1/chat/completions`).
@@ -695,7 +700,9 @@ pub struct Slo {
     validation = Rule::new("!has(self.maxConcurrent) || self.maxConcurrent >= 1").message("maxConcurrent must be at least 1").field_path(".maxConcurrent"),
     validation = Rule::new("!has(self.tenantHeader) || self.tenantHeader.matches('^[A-Za-z0-9-]+$')").message("tenantHeader must be an HTTP header name").field_path(".tenantHeader"),
     validation = Rule::new("self.backend != 'redis' || has(self.redis)").message("backend redis needs a redis section with the server address").field_path(".redis"),
-    validation = Rule::new("!has(self.perTenant) || has(self.tenantHeader)").message("perTenant limits need tenantHeader").field_path(".perTenant")
+    validation = Rule::new("!has(self.perTenant) || has(self.tenantHeader)").message("perTenant limits need tenantHeader").field_path(".perTenant"),
+    validation = Rule::new("!has(self.priority) || !has(self.priority.starvationBound) || duration(self.priority.starvationBound) <= duration(self.queueTimeout)").message("priority.starvationBound must not exceed queueTimeout: no request waits longer than that").field_path(".priority.starvationBound"),
+    validation = Rule::new("!has(self.priority) || has(self.maxConcurrent) || has(self.perTenant) && has(self.perTenant.maxConcurrent)").message("priority orders the concurrency queue: it needs maxConcurrent (or perTenant.maxConcurrent)").field_path(".priority")
 )]
 pub struct RateLimit {
     /// Requests per second for the whole route (token bucket, bursts up to one second's
@@ -734,6 +741,38 @@ pub struct RateLimit {
     /// The Redis server for `backend: redis`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redis: Option<Redis>,
+    /// Request priorities for the concurrency queue: when it backs up, a freed slot goes to
+    /// the most important waiter and a full queue sheds the least important first.
+    /// Without it the queue is first come, first served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// How a request's priority is chosen, from 0 (least important) to 9: the `header` value
+/// if the request has it, else its tier's `priority`, else `defaultPriority`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("self.defaultPriority <= 9").message("defaultPriority must be between 0 and 9").field_path(".defaultPriority"),
+    validation = Rule::new("!has(self.header) || self.header.matches('^[A-Za-z0-9-]+$')").message("header must be an HTTP header name").field_path(".header"),
+    validation = Rule::new("!has(self.starvationBound) || duration(self.starvationBound) > duration('0s')").message("starvationBound must be greater than zero").field_path(".starvationBound")
+)]
+pub struct Priority {
+    /// Request header carrying the priority as one digit, `0` to `9`; any other value is a
+    /// 400. Whoever can set it can jump the queue: name a header your gateway sets, or use
+    /// tier priorities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub header: Option<String>,
+    /// Priority of requests without the header and outside a tier with a `priority`, 0 to
+    /// 9. Default 5, so that a header can mark traffic both up and down.
+    #[serde(default = "defaults::default_priority")]
+    pub default_priority: u8,
+    /// Longest a waiter is passed over by newer, more important ones: once it has waited
+    /// this long it is served before everyone who came after it, so low priorities are
+    /// slowed under load but never starved. At most `queueTimeout`; default half of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starvation_bound: Option<DurationString>,
 }
 
 /// Limits that apply to each tenant separately.
@@ -1089,6 +1128,9 @@ mod defaults {
     }
     pub fn half_open_probes() -> u32 {
         3
+    }
+    pub fn default_priority() -> u8 {
+        5
     }
     pub fn queue_timeout() -> DurationString {
         DurationString::lit("500ms")

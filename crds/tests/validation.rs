@@ -187,6 +187,14 @@ fn valid_routes_load() {
                        {"unsupported": ["response_format"]}]),
             )
         }),
+        ("priorities from a header and a tier", |d| {
+            set(
+                d,
+                "/spec/rateLimit/priority",
+                json!({"header": "x-priority", "defaultPriority": 3, "starvationBound": "250ms"}),
+            );
+            set(d, "/spec/tiers/0/priority", json!(1));
+        }),
         ("context budgets per route, tier and tenant", |d| {
             set(
                 d,
@@ -665,6 +673,69 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             |d| set(d, "/spec/cache/semantic/maxEntries", json!(10001)),
             "spec.cache.semantic.maxEntries",
             "maxEntries must be between 1 and 10000",
+        ),
+        (
+            "default priority out of range",
+            |d| {
+                set(
+                    d,
+                    "/spec/rateLimit/priority",
+                    json!({"defaultPriority": 10}),
+                )
+            },
+            "spec.rateLimit.priority.defaultPriority",
+            "defaultPriority must be between 0 and 9",
+        ),
+        (
+            "tier priority out of range",
+            |d| set(d, "/spec/tiers/0/priority", json!(12)),
+            "spec.tiers[0].priority",
+            "tier priority must be between 0 and 9",
+        ),
+        (
+            "priority header not a header name",
+            |d| {
+                set(
+                    d,
+                    "/spec/rateLimit/priority",
+                    json!({"header": "x priority"}),
+                )
+            },
+            "spec.rateLimit.priority.header",
+            "header must be an HTTP header name",
+        ),
+        (
+            "starvation bound over the queue timeout",
+            |d| {
+                set(
+                    d,
+                    "/spec/rateLimit/priority",
+                    json!({"starvationBound": "2s"}),
+                )
+            },
+            "spec.rateLimit.priority.starvationBound",
+            "priority.starvationBound must not exceed queueTimeout: no request waits longer than that",
+        ),
+        (
+            "zero starvation bound",
+            |d| {
+                set(
+                    d,
+                    "/spec/rateLimit/priority",
+                    json!({"starvationBound": "0s"}),
+                )
+            },
+            "spec.rateLimit.priority.starvationBound",
+            "starvationBound must be greater than zero",
+        ),
+        (
+            "priority without a concurrency limit",
+            |d| {
+                remove(d, "/spec/rateLimit/maxConcurrent");
+                set(d, "/spec/rateLimit/priority", json!({}));
+            },
+            "spec.rateLimit.priority",
+            "priority orders the concurrency queue: it needs maxConcurrent (or perTenant.maxConcurrent)",
         ),
         (
             "context budget too small",

@@ -18,6 +18,7 @@
 //! | [`cache_key`] | the exact cache's key and the client's cache directives |
 //! | [`semantic`] | what the semantic cache compares, and the guards against a flipped answer |
 //! | [`bucket`] | token buckets (GCRA) of the admission limits |
+//! | [`priority`] | who gets the next concurrency slot and who is shed (priorities, starvation bound) |
 //! | [`capabilities`] | which parameters a provider takes, drops or refuses |
 //! | [`schedule`] | the attempt scheduler: when to start, retry, hedge, wait or give up |
 //! | [`balance`] | which provider an attempt goes to (tiers, weights, P2C over peak-EWMA) |
@@ -37,6 +38,7 @@ pub mod context;
 pub mod error;
 pub mod hedge;
 pub mod passthrough;
+pub mod priority;
 pub mod request;
 pub mod responses;
 pub mod retry;

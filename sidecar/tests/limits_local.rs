@@ -1,6 +1,8 @@
 //! Local admission limits on tokio's paused clock (no sleeps): requests per second, tokens per
 //! minute with reserve and settle, concurrency with a bounded FIFO queue and queue timeout,
-//! per-tenant limits and the bounded tenant table, and what each rejection says.
+//! per-tenant limits and the bounded tenant table, priorities in the concurrency queue
+//! (most important first, the lowest shed first, the starvation bound), and what each
+//! rejection says.
 #![allow(clippy::unwrap_used)]
 
 use std::{sync::Arc, time::Duration};
@@ -11,7 +13,7 @@ use tailwarden_crds::RateLimit;
 use tailwarden_decide::request::RequestBody;
 use tailwarden_sidecar::state::limits::{
     AdmissionGuard, LimitKind, LimiterOptions, Limiters, Rejection, RouteLimiter, Scope, admit,
-    estimate_tokens, retry_after_secs,
+    admit_with_priority, estimate_tokens, retry_after_secs,
 };
 use tokio::time::{Instant, advance};
 
@@ -373,4 +375,198 @@ async fn limiters_survive_reloads_when_unchanged() {
     assert!(!Arc::ptr_eq(&a, &b));
     assert!(limiters.for_route("shop/chat", None).unwrap().is_none());
     limiters.retain(&[]);
+}
+
+/// Outcomes of queued admissions, by label.
+type Outcomes =
+    tokio::sync::mpsc::UnboundedReceiver<(&'static str, Result<AdmissionGuard, Rejection>)>;
+
+/// Queues `admit_with_priority` at each priority in turn (each parked before the next
+/// arrives); every outcome is sent with its label.
+fn queue_up(
+    l: &Arc<RouteLimiter>,
+    waiters: &[(&'static str, u8)],
+) -> (Outcomes, Vec<tokio::task::JoinHandle<()>>) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let tasks = waiters
+        .iter()
+        .map(|&(name, priority)| {
+            let (l, tx) = (l.clone(), tx.clone());
+            tokio::spawn(async move {
+                let r = admit_with_priority(&l, None, 0, priority).await;
+                tx.send((name, r)).unwrap();
+            })
+        })
+        .collect();
+    (rx, tasks)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_freed_slot_goes_to_the_most_important_waiter() {
+    let l = limiter(
+        json!({"maxConcurrent": 1, "maxQueued": 10, "queueTimeout": "10s",
+                           "priority": {"header": "x-priority"}}),
+    );
+    let held = ok(&l, None, 0).await;
+    let (mut rx, _tasks) = queue_up(
+        &l,
+        &[("batch", 1), ("core", 9), ("normal", 5), ("core-2", 9)],
+    );
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(l.concurrency(), (1, 4));
+    assert_eq!(l.queued_by_priority(), [0, 1, 0, 0, 0, 1, 0, 0, 0, 2]);
+    advance(Duration::from_millis(50)).await;
+    let mut order = Vec::new();
+    let mut slot = held;
+    for _ in 0..4 {
+        drop(slot);
+        let (name, r) = rx.recv().await.unwrap();
+        let g = r.unwrap();
+        assert_eq!(g.waited(), Duration::from_millis(50), "{name}");
+        order.push(name);
+        slot = g;
+    }
+    assert_eq!(order, ["core", "core-2", "normal", "batch"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_sheds_the_least_important_first() {
+    let l = limiter(
+        json!({"maxConcurrent": 1, "maxQueued": 2, "queueTimeout": "10s",
+                           "priority": {}}),
+    );
+    let held = ok(&l, None, 0).await;
+    let (mut rx, _tasks) = queue_up(&l, &[("batch", 0), ("normal", 5)]);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    // A core request finds the queue full: the batch request gives it its place, at once.
+    let (mut core_rx, _core) = queue_up(&l, &[("core", 9)]);
+    let (name, r) = rx.recv().await.unwrap();
+    assert_eq!(name, "batch");
+    let shed = r.unwrap_err();
+    assert!(
+        matches!(shed, Rejection::Shed { priority: 0, .. }),
+        "{shed:?}"
+    );
+    assert_eq!(shed.limit(), LimitKind::Concurrency);
+    assert_eq!(shed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(shed.shed_reason(), Some("displaced"));
+    assert_eq!(
+        shed.to_string(),
+        "Too many requests in flight for route shop/chat: concurrency (limit 1); this request (priority 0) gave its place in the full queue to a more important one. Retry after 10 s."
+    );
+    assert_eq!(shed.to_api_error().code, Some("overloaded"));
+    // A newcomer no more important than anyone waiting is shed itself, without waiting.
+    let started = Instant::now();
+    let full = admit_with_priority(&l, None, 0, 5).await.unwrap_err();
+    assert!(
+        matches!(full, Rejection::QueueFull { queued: 2, .. }),
+        "{full:?}"
+    );
+    assert_eq!(full.shed_reason(), Some("full"));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    // The core request is served first, then the normal one.
+    drop(held);
+    let (name, r) = core_rx.recv().await.unwrap();
+    assert_eq!(name, "core");
+    drop(r.unwrap());
+    let (name, r) = rx.recv().await.unwrap();
+    assert_eq!(name, "normal");
+    assert!(r.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_low_priority_waiter_is_served_once_it_waited_the_starvation_bound() {
+    // One slot, a core request every 50 ms each holding it 100 ms (twice what the slot
+    // serves): without the bound the batch request would wait until its queue timeout.
+    let l = limiter(
+        json!({"maxConcurrent": 1, "maxQueued": 100, "queueTimeout": "5s",
+                           "priority": {"starvationBound": "1s"}}),
+    );
+    let first = ok(&l, None, 0).await;
+    let started = Instant::now();
+    let batch = {
+        let l = l.clone();
+        tokio::spawn(async move {
+            let g = admit_with_priority(&l, None, 0, 0).await.unwrap();
+            (Instant::now(), g.waited())
+        })
+    };
+    let holder = {
+        let l = l.clone();
+        tokio::spawn(async move {
+            // Each core request holds its slot for 100 ms once admitted.
+            let mut tasks = Vec::new();
+            for _ in 0..60 {
+                let l = l.clone();
+                tasks.push(tokio::spawn(async move {
+                    if let Ok(g) = admit_with_priority(&l, None, 0, 9).await {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        drop(g);
+                    }
+                }));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            futures_util::future::join_all(tasks).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(first);
+    let (served_at, waited) = batch.await.unwrap();
+    let waited_since_start = served_at - started;
+    // Served at the first slot freed after 1 s of waiting, not before, not at 5 s.
+    assert!(
+        waited >= Duration::from_secs(1) && waited <= Duration::from_millis(1100),
+        "{waited:?} ({waited_since_start:?})"
+    );
+    holder.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_priorities_every_request_is_equal_and_the_queue_is_fifo() {
+    let l = limiter(json!({"maxConcurrent": 1, "maxQueued": 3, "queueTimeout": "10s"}));
+    assert_eq!(l.priority_of(&HeaderMap::new(), Some(9)), Ok(None));
+    let held = ok(&l, None, 0).await;
+    // admit() queues at one priority: arrival order is served.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for name in ["a", "b", "c"] {
+        let (l, tx) = (l.clone(), tx.clone());
+        tokio::spawn(async move {
+            let g = admit(&l, None, 0).await;
+            tx.send((name, g)).unwrap();
+        });
+        tokio::task::yield_now().await;
+    }
+    let mut slot = held;
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        drop(slot);
+        let (name, g) = rx.recv().await.unwrap();
+        order.push(name);
+        slot = g.unwrap();
+    }
+    assert_eq!(order, ["a", "b", "c"]);
+}
+
+#[test]
+fn priority_comes_from_the_header_then_the_tier_then_the_default() {
+    let l = limiter(json!({"maxConcurrent": 1,
+                           "priority": {"header": "X-Priority", "defaultPriority": 3}}));
+    let mut h = HeaderMap::new();
+    assert_eq!(l.priority_of(&h, None), Ok(Some(3)));
+    assert_eq!(l.priority_of(&h, Some(7)), Ok(Some(7)));
+    h.insert("x-priority", HeaderValue::from_static("8"));
+    assert_eq!(l.priority_of(&h, Some(1)), Ok(Some(8)));
+    h.insert("x-priority", HeaderValue::from_static("urgent"));
+    let e = l.priority_of(&h, None).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "the x-priority header must be one digit, 0 (least important) to 9; got \"urgent\""
+    );
+    // Without a header name only tiers and the default count.
+    let l = limiter(json!({"maxConcurrent": 1, "priority": {}}));
+    assert_eq!(l.priority_of(&h, None), Ok(Some(5)));
 }

@@ -46,6 +46,8 @@ pub struct Exchange {
     pub pinned: Option<Pinned>,
     /// What the context budget did (routes with a `contextBudget`).
     pub context: Option<ContextReport>,
+    /// The request's place in the concurrency queue (routes with `rateLimit.priority`).
+    pub priority: Option<u8>,
 }
 
 /// A follow-up bound to the provider that owns its state.

@@ -112,6 +112,7 @@ async fn proxy(
         decisions: Vec::new(),
         pinned,
         context: None,
+        priority: None,
     };
     // The context budget first: every later stage sees the body as it will be sent.
     let raw_body = match policy::context::apply(&mut ex, &body) {
@@ -130,6 +131,28 @@ async fn proxy(
         }
     };
     let body = RequestBody::parse(&raw_body)?;
+    // The queue priority before any policy: a bad priority header is the client's error,
+    // whatever a cache holds.
+    let route = ex.route.clone();
+    if let Some(limiter) = &route.limiter {
+        let tier = ex
+            .tier
+            .and_then(|i| route.tiers.get(i))
+            .and_then(|t| t.priority);
+        match limiter.priority_of(&ex.headers, tier) {
+            Ok(priority) => ex.priority = priority,
+            Err(invalid) => {
+                let error = ApiError {
+                    code: Some("invalid_priority"),
+                    ..ApiError::bad_request(format!(
+                        "{invalid} (spec.rateLimit.priority.header of route {})",
+                        route.name
+                    ))
+                };
+                return Ok(respond::refused(&ex, &body, error, "invalid_priority"));
+            }
+        }
+    }
 
     let prepared = match policy::decide(&mut ex, &body).await {
         Verdict::Proceed(prepared) => prepared,

@@ -33,6 +33,9 @@ use crate::{
     },
 };
 
+/// Priorities as metric labels, without formatting one per request.
+const PRIORITY_LABELS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+
 /// What the recorder knows about a request no provider answered (a cache hit, a
 /// rejection).
 fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestInfo {
@@ -60,6 +63,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
         attempt_span: Span::none(),
         cache: None,
         context: ex.context,
+        priority: ex.priority,
     }
 }
 
@@ -135,6 +139,20 @@ pub fn rejected(
         .admission_rejected
         .with_label_values(&[&*ex.route.name, limit, scope, status.as_str()])
         .inc();
+    if let (Some(priority), Some(reason)) = (ex.priority, rejection.shed_reason()) {
+        ex.app
+            .metrics
+            .queue_shed
+            .with_label_values(&[
+                &*ex.route.name,
+                PRIORITY_LABELS
+                    .get(usize::from(priority))
+                    .copied()
+                    .unwrap_or("9"),
+                reason,
+            ])
+            .inc();
+    }
     let mut info = request_info(ex, body, status.as_u16());
     info.request_bytes = ex.raw_body.len();
     telemetry::refused(&ex.span, status.as_u16(), error.code.unwrap_or(error.kind));
@@ -234,6 +252,7 @@ pub async fn attempted(
         attempt_span: Span::none(),
         cache: cache.label(),
         context: ex.context,
+        priority: ex.priority,
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -384,6 +403,9 @@ fn finish_headers(response: &mut Response<ProxyBody>, ex: &Exchange, cache: Opti
     }
     if let Some(cache) = cache {
         headers.insert("x-tailwarden-cache", HeaderValue::from_static(cache));
+    }
+    if let Some(p) = ex.priority {
+        headers.insert("x-tailwarden-priority", HeaderValue::from(u16::from(p)));
     }
     if let Some(c) = &ex.context {
         headers.insert("x-tailwarden-context-tokens", HeaderValue::from(c.tokens));

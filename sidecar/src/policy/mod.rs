@@ -138,7 +138,10 @@ pub async fn decide(ex: &mut Exchange, body: &RequestBody<'_>) -> Verdict {
         None => None,
         Some(limiter) => {
             let tenant = limiter.tenant_of(&ex.headers);
-            match limits::admit(limiter, tenant.as_deref(), limits::estimate_tokens(body)).await {
+            let estimate = limits::estimate_tokens(body);
+            let priority = ex.priority.unwrap_or(0);
+            match limits::admit_with_priority(limiter, tenant.as_deref(), estimate, priority).await
+            {
                 Ok(guard) => {
                     if limiter.concurrency().0 > 0 {
                         metrics

@@ -127,6 +127,7 @@ pub struct Metrics {
     pub capability_actions: IntCounterVec,
     pub admission_rejected: IntCounterVec,
     pub queue_wait: HistogramVec,
+    pub queue_shed: IntCounterVec,
     pub limit_backend_errors: IntCounter,
     pub cache_backend_errors: IntCounter,
     /// Access-log lines dropped because stderr did not keep up ([`super::access_log`]).
@@ -326,6 +327,13 @@ impl Metrics {
                 ),
                 &["route", "limit", "scope", "status"],
             )?,
+            queue_shed: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_queue_shed_total",
+                    "Requests of routes with rateLimit.priority refused by a concurrency queue, by their priority and why: full (the queue held only requests at least as important), displaced (gave its place to a more important request), timeout (no slot within queueTimeout).",
+                ),
+                &["route", "priority", "reason"],
+            )?,
             queue_wait: histogram(
                 "tailwarden_queue_wait_seconds",
                 "Time admitted requests waited for a concurrency slot (rateLimit.maxConcurrent).",
@@ -455,6 +463,7 @@ impl Metrics {
         m.registry
             .register(Box::new(m.admission_rejected.clone()))?;
         m.registry.register(Box::new(m.queue_wait.clone()))?;
+        m.registry.register(Box::new(m.queue_shed.clone()))?;
         m.registry
             .register(Box::new(m.limit_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_requests.clone()))?;

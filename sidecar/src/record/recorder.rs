@@ -89,6 +89,8 @@ pub struct RequestInfo {
     pub cache: Option<&'static str>,
     /// What the context budget did (routes with a `contextBudget`).
     pub context: Option<ContextReport>,
+    /// The concurrency-queue priority (routes with `rateLimit.priority`).
+    pub priority: Option<u8>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,6 +388,7 @@ impl Drop for Recorder {
                 i.context.map(|c| c.dropped as u64),
             );
             l.opt_str("context_tokenizer", i.context.map(|c| c.tokenizer));
+            l.opt_u64("priority", i.priority.map(u64::from));
         });
         if !logged {
             m.access_log_dropped.inc();

@@ -11,8 +11,11 @@
 //! - Rates are GCRA token buckets ([`tailwarden_decide::bucket`]) with a burst of one period's worth, O(1) and
 //!   lock-free; with `backend: redis` they are shared by all replicas through leases
 //!   ([`shared`]).
-//! - Concurrency is a FIFO semaphore with a bounded wait queue (`maxQueued`) and a wait
-//!   limit (`queueTimeout`); it is per sidecar, because it protects this pod's queue.
+//! - Concurrency is a slot count with a bounded wait queue (`maxQueued`) and a wait limit
+//!   (`queueTimeout`), per sidecar, because it protects this pod's queue ([`gate`]). The
+//!   queue is first come, first served, unless the route sets `priority`: then a freed
+//!   slot goes to the most important waiter (a starvation bound keeps the others moving)
+//!   and a full queue sheds the least important first.
 //! - Tenants (values of `tenantHeader`) get their own limits (`perTenant`). At most
 //!   [`MAX_TENANTS`] are tracked (S3-FIFO: a flood of one-off tenant names churns through
 //!   the small queue without pushing out tenants with steady traffic); a tenant with
@@ -24,34 +27,31 @@
 //!
 //! A rejection says which limit was hit, for whom, and when to come back (`Retry-After`,
 //! from the bucket). Over a rate: 429, the client is over its rate. Queue full or queue
-//! timeout of the route: 503, the sidecar is overloaded (a tenant's own concurrency limit is
+//! timeout (or shed for a more important request) of the route: 503, the sidecar is overloaded (a tenant's own concurrency limit is
 //! a 429). Shared backend down with `failMode: closed`: 503.
 
+pub mod gate;
 pub mod shared;
 
-use std::{
-    fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 
 use http::{HeaderMap, StatusCode};
 use quick_cache::{DefaultHashBuilder, Lifecycle, UnitWeighter, sync::Cache};
 use tailwarden_crds::{Backend, FailMode, RateLimit};
-use tokio::{
-    sync::{OwnedSemaphorePermit, Semaphore},
-    time::Instant,
-};
+use tokio::time::Instant;
 
-use tailwarden_decide::{bucket::Bucket, error::ApiError, request::RequestBody};
+use tailwarden_decide::{
+    bucket::Bucket,
+    error::ApiError,
+    priority::{self, InvalidPriority},
+    request::RequestBody,
+};
 
 use super::{
     Registry,
     redis::{BackendError, BackendSettings, RedisBackend},
 };
+use gate::{Gate, GatePermit, Refused};
 use shared::{SharedBucket, Source, TakeError};
 
 /// Most tenants tracked per route.
@@ -153,6 +153,16 @@ pub enum Rejection {
         retry_after: Duration,
     },
     #[error(
+        "Too many requests in flight for {scope}: concurrency (limit {limit}); this request (priority {priority}) gave its place in the full queue to a more important one. Retry after {} s.",
+        retry_after_secs(*retry_after)
+    )]
+    Shed {
+        scope: Scope,
+        limit: u32,
+        priority: u8,
+        retry_after: Duration,
+    },
+    #[error(
         "The shared rate-limit backend is unavailable and {scope} fails closed (rateLimit.redis.failMode: closed). Retry after {} s.",
         retry_after_secs(*retry_after)
     )]
@@ -163,7 +173,9 @@ impl Rejection {
     pub fn limit(&self) -> LimitKind {
         match self {
             Rejection::Rate { kind, .. } => *kind,
-            Rejection::QueueFull { .. } | Rejection::QueueTimeout { .. } => LimitKind::Concurrency,
+            Rejection::QueueFull { .. }
+            | Rejection::QueueTimeout { .. }
+            | Rejection::Shed { .. } => LimitKind::Concurrency,
             Rejection::BackendDown { .. } => LimitKind::Backend,
         }
     }
@@ -173,6 +185,7 @@ impl Rejection {
             Rejection::Rate { scope, .. }
             | Rejection::QueueFull { scope, .. }
             | Rejection::QueueTimeout { scope, .. }
+            | Rejection::Shed { scope, .. }
             | Rejection::BackendDown { scope, .. } => scope,
         }
     }
@@ -182,6 +195,7 @@ impl Rejection {
             Rejection::Rate { retry_after, .. }
             | Rejection::QueueFull { retry_after, .. }
             | Rejection::QueueTimeout { retry_after, .. }
+            | Rejection::Shed { retry_after, .. }
             | Rejection::BackendDown { retry_after, .. } => *retry_after,
         }
     }
@@ -191,13 +205,24 @@ impl Rejection {
     pub fn status(&self) -> StatusCode {
         match self {
             Rejection::Rate { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Rejection::QueueFull { scope, .. } | Rejection::QueueTimeout { scope, .. } => {
-                match scope {
-                    Scope::Tenant { .. } => StatusCode::TOO_MANY_REQUESTS,
-                    Scope::Route(_) => StatusCode::SERVICE_UNAVAILABLE,
-                }
-            }
+            Rejection::QueueFull { scope, .. }
+            | Rejection::QueueTimeout { scope, .. }
+            | Rejection::Shed { scope, .. } => match scope {
+                Scope::Tenant { .. } => StatusCode::TOO_MANY_REQUESTS,
+                Scope::Route(_) => StatusCode::SERVICE_UNAVAILABLE,
+            },
             Rejection::BackendDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// Why a concurrency queue refused the request (`full`, `timeout`, `displaced`), for
+    /// the shed metric; `None` for the other limits.
+    pub fn shed_reason(&self) -> Option<&'static str> {
+        match self {
+            Rejection::QueueFull { .. } => Some("full"),
+            Rejection::QueueTimeout { .. } => Some("timeout"),
+            Rejection::Shed { .. } => Some("displaced"),
+            Rejection::Rate { .. } | Rejection::BackendDown { .. } => None,
         }
     }
 
@@ -277,70 +302,51 @@ impl Rate {
     }
 }
 
-/// A concurrency limit with a bounded FIFO queue.
+/// A concurrency limit of one scope: the slots and their queue ([`Gate`]).
 #[derive(Debug)]
 struct Concurrency {
     limit: u32,
-    slots: Arc<Semaphore>,
-    waiting: AtomicUsize,
-    max_queued: usize,
-}
-
-/// Counts a waiter for as long as it waits, including when its future is dropped.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
+    gate: Arc<Gate>,
 }
 
 impl Concurrency {
-    fn new(limit: u32, max_queued: usize) -> Self {
+    fn new(limit: u32, max_queued: usize, starvation_bound: Duration) -> Self {
         Self {
             limit,
-            slots: Arc::new(Semaphore::new(limit as usize)),
-            waiting: AtomicUsize::new(0),
-            max_queued,
+            gate: Arc::new(Gate::new(limit, max_queued, starvation_bound)),
         }
     }
 
     async fn acquire(
         &self,
         scope: impl Fn() -> Scope,
+        priority: u8,
         timeout: Duration,
-    ) -> Result<(OwnedSemaphorePermit, Duration), Rejection> {
-        // Tokio's semaphore is fair: a free permit exists only when nobody is queued, so
-        // this fast path cannot jump the queue.
-        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
-            return Ok((permit, Duration::ZERO));
-        }
-        let started = Instant::now();
-        let queued = self.waiting.fetch_add(1, Ordering::AcqRel);
-        let _waiting = Waiting(&self.waiting);
+    ) -> Result<(GatePermit, Duration), Rejection> {
         let retry_after = timeout.max(Duration::from_secs(1));
-        if queued >= self.max_queued {
-            return Err(Rejection::QueueFull {
-                scope: scope(),
-                limit: self.limit,
-                queued,
-                retry_after,
-            });
-        }
-        match tokio::time::timeout(timeout, self.slots.clone().acquire_owned()).await {
-            Ok(Ok(permit)) => Ok((permit, started.elapsed())),
-            // The semaphore is never closed; treat it like a timeout all the same.
-            Ok(Err(_)) | Err(_) => Err(Rejection::QueueTimeout {
-                scope: scope(),
-                limit: self.limit,
-                timeout,
-                retry_after,
-            }),
-        }
-    }
-
-    fn in_use(&self) -> usize {
-        (self.limit as usize).saturating_sub(self.slots.available_permits())
+        self.gate
+            .acquire(priority, timeout)
+            .await
+            .map_err(|refused| match refused {
+                Refused::Full { queued } => Rejection::QueueFull {
+                    scope: scope(),
+                    limit: self.limit,
+                    queued,
+                    retry_after,
+                },
+                Refused::Displaced => Rejection::Shed {
+                    scope: scope(),
+                    limit: self.limit,
+                    priority,
+                    retry_after,
+                },
+                Refused::Timeout => Rejection::QueueTimeout {
+                    scope: scope(),
+                    limit: self.limit,
+                    timeout,
+                    retry_after,
+                },
+            })
     }
 }
 
@@ -385,12 +391,23 @@ pub struct LimiterOptions {
     pub max_tenants: Option<usize>,
 }
 
+/// How a route's requests get their priority (`rateLimit.priority`).
+#[derive(Debug)]
+struct Priorities {
+    header: Option<http::HeaderName>,
+    default: u8,
+}
+
 /// The limits of one route.
 pub struct RouteLimiter {
     route: Arc<str>,
     tenant_header: Option<http::HeaderName>,
     queue_timeout: Duration,
     max_queued: Option<usize>,
+    priorities: Option<Priorities>,
+    /// How long a waiter may be passed over (the whole queue timeout without priorities:
+    /// then everyone is equal and the queue is FIFO anyway).
+    starvation_bound: Duration,
     route_limits: LimitSet,
     tenant_numbers: Option<Numbers>,
     tenants: Option<TenantTable>,
@@ -440,6 +457,20 @@ impl RouteLimiter {
                 .and_then(|h| http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()),
             queue_timeout: spec.queue_timeout.get(),
             max_queued: spec.max_queued.map(|q| q as usize),
+            priorities: spec.priority.as_ref().map(|p| Priorities {
+                header: p.header.as_deref().and_then(|h| {
+                    http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()
+                }),
+                default: p.default_priority.min(priority::MAX_PRIORITY),
+            }),
+            starvation_bound: spec
+                .priority
+                .as_ref()
+                .map_or(spec.queue_timeout.get(), |p| {
+                    p.starvation_bound
+                        .as_ref()
+                        .map_or(spec.queue_timeout.get() / 2, |b| b.get())
+                }),
             route_limits: LimitSet::default(),
             tenant_numbers: spec.per_tenant.as_ref().map(|t| Numbers {
                 rps: t.requests_per_second,
@@ -489,9 +520,13 @@ impl RouteLimiter {
                 .rps
                 .map(|r| rate("rps", u64::from(r), Duration::from_secs(1))),
             tokens: n.tpm.map(|t| rate("tpm", t, Duration::from_secs(60))),
-            concurrency: n
-                .concurrent
-                .map(|c| Concurrency::new(c, self.max_queued.unwrap_or(c as usize))),
+            concurrency: n.concurrent.map(|c| {
+                Concurrency::new(
+                    c,
+                    self.max_queued.unwrap_or(c as usize),
+                    self.starvation_bound,
+                )
+            }),
         }
     }
 
@@ -511,6 +546,33 @@ impl RouteLimiter {
         Some(truncate(value, MAX_TENANT_BYTES))
     }
 
+    /// The concurrency-queue priority of a request (see [`priority::choose`]) given its
+    /// tier's `priority`; `Ok(None)` when the route has no `priority` (a FIFO queue).
+    pub fn priority_of(
+        &self,
+        headers: &HeaderMap,
+        tier: Option<u8>,
+    ) -> Result<Option<u8>, InvalidPriority> {
+        let Some(p) = &self.priorities else {
+            return Ok(None);
+        };
+        let header = p
+            .header
+            .as_ref()
+            .and_then(|name| headers.get(name).map(|v| (name.as_str(), v.as_bytes())));
+        priority::choose(header, tier, p.default).map(Some)
+    }
+
+    /// Requests of the route waiting for a concurrency slot, per priority (lowest first).
+    pub fn queued_by_priority(&self) -> [usize; priority::MAX_PRIORITY as usize + 1] {
+        self.route_limits
+            .concurrency
+            .as_ref()
+            .map_or([0; priority::MAX_PRIORITY as usize + 1], |c| {
+                c.gate.queued_by_priority()
+            })
+    }
+
     /// Tenants currently tracked.
     pub fn tenants_tracked(&self) -> usize {
         self.tenants.as_ref().map_or(0, Cache::len)
@@ -522,7 +584,7 @@ impl RouteLimiter {
         self.route_limits
             .concurrency
             .as_ref()
-            .map_or((0, 0), |c| (c.in_use(), c.waiting.load(Ordering::Acquire)))
+            .map_or((0, 0), |c| c.gate.usage())
     }
 
     /// Failures of the shared backend, if the route uses one.
@@ -598,7 +660,7 @@ pub struct AdmissionGuard {
     reserved: u64,
     route_source: Option<Source>,
     tenant_source: Option<Source>,
-    _permits: [Option<OwnedSemaphorePermit>; 2],
+    _permits: [Option<GatePermit>; 2],
     waited: Duration,
 }
 
@@ -684,11 +746,23 @@ fn rate_rejection(scope: Scope, kind: LimitKind, rate: &Rate, n: u64, e: TakeErr
 /// Admits a request of `tenant` (from [`RouteLimiter::tenant_of`]) expected to use
 /// `estimate` tokens ([`estimate_tokens`]), or says which limit it hit. May wait up to
 /// `queueTimeout` for a concurrency slot; everything else is immediate unless a shared
-/// lease must be refilled from Redis.
+/// lease must be refilled from Redis. All requests are of one priority: see
+/// [`admit_with_priority`].
 pub async fn admit(
     limiter: &Arc<RouteLimiter>,
     tenant: Option<&str>,
     estimate: u64,
+) -> Result<AdmissionGuard, Rejection> {
+    admit_with_priority(limiter, tenant, estimate, 0).await
+}
+
+/// [`admit`] for a request of `priority` ([`RouteLimiter::priority_of`]) in the
+/// concurrency queues.
+pub async fn admit_with_priority(
+    limiter: &Arc<RouteLimiter>,
+    tenant: Option<&str>,
+    estimate: u64,
+    priority: u8,
 ) -> Result<AdmissionGuard, Rejection> {
     let now = Instant::now();
     let tenant_set = tenant.and_then(|t| limiter.tenant_set(t));
@@ -758,7 +832,7 @@ pub async fn admit(
 
     // Concurrency: the tenant's slot first, so a tenant at its own limit waits in its own
     // queue instead of holding one of the route's slots.
-    let mut permits: [Option<OwnedSemaphorePermit>; 2] = [None, None];
+    let mut permits: [Option<GatePermit>; 2] = [None, None];
     let mut waited = Duration::ZERO;
     for (i, (set, is_tenant)) in scopes.into_iter().enumerate() {
         let Some(conc) = set.and_then(|s| s.concurrency.as_ref()) else {
@@ -766,9 +840,9 @@ pub async fn admit(
         };
         let remaining = limiter.queue_timeout.saturating_sub(waited);
         let acquired = if is_tenant {
-            conc.acquire(tenant_scope, remaining).await
+            conc.acquire(tenant_scope, priority, remaining).await
         } else {
-            conc.acquire(route_scope, remaining).await
+            conc.acquire(route_scope, priority, remaining).await
         };
         match acquired {
             Ok((p, w)) => {
