@@ -28,6 +28,12 @@
 //! - `slo_penalty` (≥ 1) is how badly the provider's recent P99 breaks the route's budget,
 //!   see [`BalanceSettings::ttft_budget`]. A penalised provider loses the comparison and
 //!   so loses share until its estimate recovers.
+//! - The whole cost is divided by the provider's **pace** (AIMD, in `(0, 1]`): a 429 halves
+//!   it ([`Balancer::record_pacing`]) and it grows back linearly, to 1 in
+//!   [`PACE_RECOVERY`]. One 429 so moves a tier's traffic away from its provider for a
+//!   fraction of a second, without taking it out of rotation (a lone provider keeps all its
+//!   traffic, and one that gets no traffic still recovers); many 429s keep it low. Taking a provider out of rotation is the cool-down's job, for
+//!   provider-wide signals only (`route::learn`).
 //!
 //! Thread-safety: [`Balancer`] is `Send + Sync`. In-flight counts are atomics; the rest of
 //! each endpoint's state sits behind its own `std::sync::Mutex`, held only for O(1) reads
@@ -38,6 +44,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
+
+/// How long a provider's pace takes to grow back from 0 to 1 (from ½ after one 429: half
+/// of it). Linear, so it needs no traffic to recover.
+pub const PACE_RECOVERY: Duration = Duration::from_secs(2);
+
+/// The lowest pace (a provider that answers nothing but 429s still costs a finite amount,
+/// so it is tried again when the others are costlier still).
+pub const MIN_PACE: f64 = 1.0 / 64.0;
+
+/// How many recent 429s [`Balancer::record_pacing`] reports on.
+pub const RECENT_429S: usize = 3;
 
 /// One provider of a route, as the balancer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,6 +170,10 @@ struct Stats {
     cooldown_until: Option<Instant>,
     ttft_slo: Breach,
     latency_slo: Breach,
+    /// AIMD share after 429s, in `[MIN_PACE, 1]`, as of when it was set; `None` is 1.
+    pace: Option<(f64, Instant)>,
+    /// When the last [`RECENT_429S`] 429s came, oldest first.
+    recent_429s: [Option<Instant>; RECENT_429S],
 }
 
 impl Stats {
@@ -161,6 +182,14 @@ impl Stats {
             None => s.default_ttft.as_secs_f64(),
             Some(_) => self.ewma * decay_weight(self.stamp, now, s.decay.as_secs_f64()),
         }
+    }
+
+    fn pace_at(&self, now: Instant) -> f64 {
+        self.pace.map_or(1.0, |(p, at)| {
+            let grown =
+                now.saturating_duration_since(at).as_secs_f64() / PACE_RECOVERY.as_secs_f64();
+            (p + grown).min(1.0)
+        })
     }
 
     fn penalty(&self, now: Instant, s: &BalanceSettings) -> f64 {
@@ -297,6 +326,29 @@ impl Balancer {
         exclude: &[usize],
         is_available: impl Fn(usize) -> bool,
     ) -> Option<usize> {
+        self.pick_with(now, rng, exclude, is_available, true)
+    }
+
+    /// [`Self::pick`] as if no endpoint were cooling down: for a request that has nowhere
+    /// else to go and would rather try than wait (the caller decides when).
+    pub fn pick_ignoring_cooldowns(
+        &self,
+        now: Instant,
+        rng: &mut impl Rng,
+        exclude: &[usize],
+        is_available: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        self.pick_with(now, rng, exclude, is_available, false)
+    }
+
+    fn pick_with(
+        &self,
+        now: Instant,
+        rng: &mut impl Rng,
+        exclude: &[usize],
+        is_available: impl Fn(usize) -> bool,
+        cooldowns: bool,
+    ) -> Option<usize> {
         for tier in &self.tiers {
             let candidates: Vec<(usize, u32)> = tier
                 .iter()
@@ -304,7 +356,7 @@ impl Balancer {
                     let e = self.endpoints.get(i)?;
                     let ok = e.spec.weight > 0
                         && !exclude.contains(&i)
-                        && e.stats().cooldown_until.is_none_or(|t| t <= now)
+                        && (!cooldowns || e.stats().cooldown_until.is_none_or(|t| t <= now))
                         && is_available(i);
                     ok.then_some((i, e.spec.weight))
                 })
@@ -361,6 +413,28 @@ impl Balancer {
             st.ttft_slo
                 .record(now, ttft > budget, s.slo_decay.as_secs_f64());
         }
+    }
+
+    /// The provider answered 429: its pace halves (multiplicative decrease; see the module
+    /// docs). Returns how long its last [`RECENT_429S`] 429s took to arrive, this one
+    /// included — `None` until there were that many — for the caller's "several 429s in a
+    /// short window" rule.
+    pub fn record_pacing(&self, idx: usize, now: Instant) -> Option<Duration> {
+        let e = self.endpoints.get(idx)?;
+        let mut st = e.stats();
+        let pace = (st.pace_at(now) * 0.5).max(MIN_PACE);
+        st.pace = Some((pace, latest(st.pace.map(|(_, at)| at), now)));
+        st.recent_429s.rotate_left(1);
+        st.recent_429s[RECENT_429S - 1] = Some(now);
+        let oldest = st.recent_429s[0]?;
+        Some(now.saturating_duration_since(oldest))
+    }
+
+    /// The provider's pace at `now` (1 = no recent 429s). For metrics and tests.
+    pub fn pace(&self, idx: usize, now: Instant) -> f64 {
+        self.endpoints
+            .get(idx)
+            .map_or(1.0, |e| e.stats().pace_at(now))
     }
 
     /// Record a total-latency sample (request start to end of response) for the latency
@@ -430,18 +504,19 @@ impl Balancer {
             return f64::INFINITY;
         };
         let in_flight = f64::from(e.state.in_flight.load(Ordering::Acquire));
-        let (ewma, penalty) = {
+        let (ewma, penalty, pace) = {
             let st = e.stats();
             (
                 st.ewma_at(now, &self.settings),
                 st.penalty(now, &self.settings),
+                st.pace_at(now),
             )
         };
         // A zero estimate (long idle) would make every cost 0 and hide load; floor it at
         // 1 µs so in-flight and penalty still order the candidates.
         let ewma = ewma.max(1e-6);
         let share = mean_weight / f64::from(weight.max(1));
-        ewma * (1.0 + in_flight * share) * penalty
+        ewma * (1.0 + in_flight * share) * penalty / pace.max(MIN_PACE)
     }
 }
 
@@ -545,6 +620,36 @@ mod tests {
     }
 
     #[test]
+    fn a_429_shifts_load_away_briefly_without_taking_the_provider_out() {
+        let t0 = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(11);
+        let b = Balancer::new(
+            vec![ep("a", 50, 0), ep("b", 50, 0)],
+            BalanceSettings::default(),
+        );
+        b.record_ttft(0, t0, 100 * MS);
+        b.record_ttft(1, t0, 100 * MS);
+        assert_eq!(b.record_pacing(0, t0), None, "one 429 is not several");
+        assert_eq!(b.pace(0, t0), 0.5);
+        // Halved: every P2C comparison goes to b, but a alone is still chosen.
+        assert_close(&shares(&b, 2000, &mut rng, t0), &[0.0, 1.0], 0.01);
+        assert_eq!(b.pick(t0, &mut rng, &[1], |_| true), Some(0));
+        assert_eq!(b.pick(t0, &mut rng, &[], |i| i == 0), Some(0));
+        // Linear recovery without traffic: ¾ after half a second, whole after one.
+        assert!((b.pace(0, t0 + 500 * MS) - 0.75).abs() < 1e-9);
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(b.pace(0, t1), 1.0);
+        assert_close(&shares(&b, 4000, &mut rng, t1), &[0.5, 0.5], 0.03);
+        // The last three 429s and how long they took: the caller's burst rule.
+        assert_eq!(b.record_pacing(0, t1 + 100 * MS), None, "two");
+        assert_eq!(b.record_pacing(0, t1 + 200 * MS), Some(t1 + 200 * MS - t0));
+        assert_eq!(b.record_pacing(0, t1 + 300 * MS), Some(200 * MS));
+        assert!(b.pace(0, t1 + 300 * MS) < 0.2);
+        assert!(b.pace(0, t1 + 300 * MS) >= MIN_PACE);
+        assert_eq!(b.record_pacing(9, t0), None, "unknown index");
+    }
+
+    #[test]
     fn weights_hold_under_concurrency() {
         // Each request stays in flight for 50 picks (equal latency): the weight-scaled
         // in-flight term must not pull a 90/10 split toward 50/50.
@@ -634,6 +739,14 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(b.pick(now, &mut rng, &[1], |i| i != 2), Some(4));
         }
+        // Unless asked to ignore cool-downs (the rest still holds).
+        let mut seen_cooling = false;
+        for _ in 0..1000 {
+            let c = b.pick_ignoring_cooldowns(now, &mut rng, &[1], |i| i != 2);
+            assert!(matches!(c, Some(0 | 4)), "{c:?}");
+            seen_cooling |= c == Some(0);
+        }
+        assert!(seen_cooling);
         // The cool-down ends.
         let later = now + Duration::from_secs(5);
         let mut seen_cool = false;

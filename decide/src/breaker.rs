@@ -4,7 +4,7 @@
 //! for a while instead of being hammered, and is let back in through a few probe requests.
 //!
 //! - **Closed** trips to Open when either rule fires: `consecutive_failures` failures in a
-//!   row, or — once the rolling window holds at least `min_requests` results — the failure
+//!   row *in the order the requests started* (see "Start order" below), or — once the rolling window holds at least `min_requests` results — the failure
 //!   share reaches `failure_rate_percent`. A success slower than `slow_call_threshold`
 //!   counts as a failure (the provider is "up" but useless for a latency SLO).
 //! - **Open** rejects every request until its open period ends; the next
@@ -22,18 +22,40 @@
 //! `std::sync::Mutex` (every method is O(1), so the lock is held only briefly and never
 //! across an await).
 //!
+//! **Start order.** Results arrive in completion order, and fast failures (a reset, an error
+//! status) finish ahead of slow successes (a stream that takes seconds). Counted as they
+//! complete, a 5 % failure rate shows streaks of five long before five requests in a row
+//! really failed. So every [`Permit`] carries its issue number, and a streak is a run of
+//! consecutive issue numbers that all failed: a request still in flight, or one that
+//! succeeded, breaks the run whenever it completes. A cancelled request (a lost hedge race,
+//! a client that left) says nothing and neither breaks nor lengthens a run.
+//!
+//! **Panic.** When a caller has no other provider, failing fast is worse for its client than
+//! trying: [`CircuitBreaker::try_acquire_panic`] admits a request through an open (or busy
+//! half-open) circuit without taking a probe slot. Its failure changes nothing (the circuit
+//! is already open); its success counts toward closing like a probe's, so a provider that
+//! recovers is back in rotation as soon as enough panic requests succeed.
+//!
 //! **Stale results.** Every state change starts a new *epoch*, and each [`Permit`] records
 //! the epoch it was issued in. A result reported with a permit from an earlier epoch is
 //! ignored: a request admitted while Closed that finishes after the trip cannot count as a
 //! half-open probe success (or re-open a half-open circuit), and results arriving while Open
 //! change nothing. Only probes issued in the current HalfOpen epoch decide whether it closes.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
 /// Number of buckets in the rolling window; memory is O(1) regardless of traffic.
 const BUCKETS: usize = 10;
+
+/// The longest `consecutive_failures` the breaker counts (the CRD's maximum); a larger value
+/// disables the rule, as 0 does.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 1000;
+
+/// Resolved requests the start-order streak remembers (the oldest are forgotten first).
+const STREAK_MEMORY: usize = 2 * MAX_CONSECUTIVE_FAILURES as usize + 64;
 
 /// Circuit breaker settings (the proxy maps the route's `circuitBreaker` block onto this).
 #[derive(Debug, Clone, PartialEq)]
@@ -162,12 +184,22 @@ pub enum Rejected {
 pub struct Permit {
     epoch: u64,
     probe: bool,
+    /// Admitted through an open circuit ([`CircuitBreaker::try_acquire_panic`]).
+    panic: bool,
+    /// Issue number: the order requests started in.
+    seq: u64,
 }
 
 impl Permit {
     /// Whether this request is a half-open probe.
     pub fn is_probe(&self) -> bool {
         self.probe
+    }
+
+    /// Whether this request was admitted through an open circuit, for want of another
+    /// provider.
+    pub fn is_panic(&self) -> bool {
+        self.panic
     }
 }
 
@@ -184,6 +216,9 @@ fn clamped(mut settings: BreakerSettings) -> BreakerSettings {
     settings.half_open_probes = settings.half_open_probes.max(1);
     settings.failure_rate_percent = settings.failure_rate_percent.min(100);
     settings.max_open_for = settings.max_open_for.max(settings.open_for);
+    if settings.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
+        settings.consecutive_failures = 0;
+    }
     settings
 }
 
@@ -202,8 +237,11 @@ pub struct CircuitBreaker {
     origin: Instant,
     bucket_width: Duration,
     buckets: [Bucket; BUCKETS],
-    consecutive: u32,
-    consecutive_slow: u32,
+    /// Failed and cancelled requests of this closed epoch by issue number (`Some(slow)` a
+    /// failure, `None` a cancellation): the start-order streaks.
+    resolved: BTreeMap<u64, Option<bool>>,
+    /// Permits issued so far.
+    issued: u64,
     // Open
     open_until: Instant,
     /// Consecutive re-opens since the last close (the exponent of the open period).
@@ -212,6 +250,9 @@ pub struct CircuitBreaker {
     probes_in_flight: u32,
     probe_successes: u32,
     last_probe_at: Instant,
+    // Open (panic)
+    /// Panic requests that succeeded in this open epoch.
+    panic_successes: u32,
 }
 
 impl CircuitBreaker {
@@ -227,13 +268,14 @@ impl CircuitBreaker {
             origin: now,
             bucket_width,
             buckets: [Bucket::default(); BUCKETS],
-            consecutive: 0,
-            consecutive_slow: 0,
+            resolved: BTreeMap::new(),
+            issued: 0,
             open_until: now,
             reopens: 0,
             probes_in_flight: 0,
             probe_successes: 0,
             last_probe_at: now,
+            panic_successes: 0,
         }
     }
 
@@ -320,6 +362,21 @@ impl CircuitBreaker {
         }
     }
 
+    /// Admit a request whatever the state, for a caller with no other provider (see
+    /// "Panic" in the module docs). A closed circuit, or one whose open period has ended,
+    /// admits as [`Self::try_acquire`] does; an open or busy half-open one admits a panic
+    /// request that takes no probe slot.
+    pub fn try_acquire_panic(&mut self, now: Instant) -> (Permit, Option<Transition>) {
+        match self.try_acquire(now) {
+            (Ok(permit), t) => (permit, t),
+            (Err(_), t) => {
+                let mut permit = self.permit(false);
+                permit.panic = true;
+                (permit, t)
+            }
+        }
+    }
+
     /// Report a response. `latency` is compared with `slow_call_threshold` (pass the
     /// measure the threshold is meant for, e.g. time to first byte). `jitter` is a random
     /// fraction in `[0, 1)` used if this result opens the circuit.
@@ -354,8 +411,14 @@ impl CircuitBreaker {
     /// The request ended without a verdict about the provider (e.g. the client went away
     /// before the response). Frees a half-open probe slot; counts nothing.
     pub fn on_cancel(&mut self, permit: Permit) {
-        if permit.epoch == self.epoch && permit.probe && self.state == State::HalfOpen {
+        if permit.epoch != self.epoch {
+            return;
+        }
+        if permit.probe && self.state == State::HalfOpen {
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        }
+        if self.state == State::Closed && self.settings.consecutive_failures > 0 {
+            self.remember(permit.seq, None);
         }
     }
 
@@ -365,10 +428,13 @@ impl CircuitBreaker {
         (t, f)
     }
 
-    fn permit(&self, probe: bool) -> Permit {
+    fn permit(&mut self, probe: bool) -> Permit {
+        self.issued += 1;
         Permit {
             epoch: self.epoch,
             probe,
+            panic: false,
+            seq: self.issued,
         }
     }
 
@@ -404,8 +470,23 @@ impl CircuitBreaker {
             return None;
         }
         match self.state {
+            // A panic request's success is evidence of recovery, like a probe's; its failure
+            // tells nothing the open circuit does not already say.
+            State::Open if permit.panic && !outcome.failed => {
+                self.panic_successes += 1;
+                (self.panic_successes >= self.settings.half_open_probes).then(|| self.close(now))
+            }
             State::Open => None,
-            State::Closed => self.record_closed(now, outcome, jitter),
+            State::HalfOpen if permit.panic => {
+                if !outcome.failed {
+                    self.probe_successes += 1;
+                    if self.probe_successes >= self.settings.half_open_probes {
+                        return Some(self.close(now));
+                    }
+                }
+                None
+            }
+            State::Closed => self.record_closed(now, permit.seq, outcome, jitter),
             State::HalfOpen => {
                 self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
                 if outcome.failed {
@@ -423,7 +504,13 @@ impl CircuitBreaker {
         }
     }
 
-    fn record_closed(&mut self, now: Instant, outcome: Outcome, jitter: f64) -> Option<Transition> {
+    fn record_closed(
+        &mut self,
+        now: Instant,
+        seq: u64,
+        outcome: Outcome,
+        jitter: f64,
+    ) -> Option<Transition> {
         let bucket = self.bucket_mut(now);
         bucket.total = bucket.total.saturating_add(1);
         if outcome.failed {
@@ -433,17 +520,16 @@ impl CircuitBreaker {
             bucket.slow = bucket.slow.saturating_add(1);
         }
         if !outcome.failed {
-            self.consecutive = 0;
-            self.consecutive_slow = 0;
+            // A success is absent from `resolved`: it breaks every run through it.
             return None;
         }
-        self.consecutive = self.consecutive.saturating_add(1);
-        if outcome.slow {
-            self.consecutive_slow = self.consecutive_slow.saturating_add(1);
+        let threshold = self.settings.consecutive_failures;
+        if threshold > 0 {
+            self.remember(seq, Some(outcome.slow));
         }
-        let s = &self.settings;
-        if s.consecutive_failures > 0 && self.consecutive >= s.consecutive_failures {
-            let reason = if self.consecutive_slow * 2 > self.consecutive {
+        let (consecutive, slow) = self.run_through(seq);
+        if threshold > 0 && consecutive >= threshold {
+            let reason = if slow * 2 > consecutive {
                 Reason::SlowCalls
             } else {
                 Reason::ConsecutiveFailures
@@ -451,6 +537,7 @@ impl CircuitBreaker {
             self.reopens = 0;
             return Some(self.open(now, reason, jitter));
         }
+        let s = &self.settings;
         if s.failure_rate_percent > 0 {
             let (total, failures, slow) = self.window_sums(now);
             if total >= s.min_requests.max(1)
@@ -468,8 +555,39 @@ impl CircuitBreaker {
         None
     }
 
+    fn remember(&mut self, seq: u64, failure: Option<bool>) {
+        self.resolved.insert(seq, failure);
+        while self.resolved.len() > STREAK_MEMORY {
+            self.resolved.pop_first();
+        }
+    }
+
+    /// The failures, and the slow ones among them, in the run of consecutive issue numbers
+    /// (failed or cancelled) through `seq`.
+    fn run_through(&self, seq: u64) -> (u32, u32) {
+        let count = |range: &mut dyn Iterator<Item = u64>| {
+            let (mut failures, mut slow) = (0u32, 0u32);
+            for n in range {
+                match self.resolved.get(&n) {
+                    Some(Some(s)) => {
+                        failures += 1;
+                        slow += u32::from(*s);
+                    }
+                    Some(None) => {}
+                    None => break,
+                }
+            }
+            (failures, slow)
+        };
+        let (up, up_slow) = count(&mut (seq..=self.issued));
+        let (down, down_slow) = count(&mut (1..seq).rev());
+        (up + down, up_slow + down_slow)
+    }
+
     fn open(&mut self, now: Instant, reason: Reason, jitter: f64) -> Transition {
         self.open_until = now + self.open_period(jitter);
+        self.resolved.clear();
+        self.panic_successes = 0;
         self.enter(State::Open, reason)
     }
 
@@ -489,8 +607,7 @@ impl CircuitBreaker {
 
     fn close(&mut self, now: Instant) -> Transition {
         self.reopens = 0;
-        self.consecutive = 0;
-        self.consecutive_slow = 0;
+        self.resolved.clear();
         self.buckets = [Bucket::default(); BUCKETS];
         self.origin = now;
         self.enter(State::Closed, Reason::ProbesSucceeded)
@@ -610,6 +727,112 @@ mod tests {
             tr(State::Closed, State::Open, Reason::ConsecutiveFailures)
         );
         assert_eq!(b.state(), State::Open);
+    }
+
+    #[test]
+    fn a_streak_is_a_run_of_failures_in_start_order_not_completion_order() {
+        let t0 = Instant::now();
+        let mut s = settings();
+        s.failure_rate_percent = 0;
+        let mut b = CircuitBreaker::new(s, t0);
+        // Ten requests start; every other one fails fast while the rest still stream. In
+        // completion order that is five failures in a row; in start order no two failures
+        // are adjacent.
+        let permits: Vec<Permit> = (0..10).map(|_| acquire(&mut b, t0)).collect();
+        let mut slow = Vec::new();
+        for (i, p) in permits.into_iter().enumerate() {
+            if i % 2 == 1 {
+                assert_eq!(b.on_failure(p, t0, 0.5), None, "request {i}");
+            } else {
+                slow.push(p);
+            }
+        }
+        for p in slow {
+            assert_eq!(b.on_success(p, t0 + S, 10 * MS, 0.5), None);
+        }
+        assert_eq!(b.state(), State::Closed);
+        // Five that start one after the other and all fail trip it, even with an earlier
+        // request still in flight; a cancelled one in between neither breaks nor counts.
+        let pending = acquire(&mut b, t0);
+        let run: Vec<Permit> = (0..6).map(|_| acquire(&mut b, t0)).collect();
+        let mut last = None;
+        for (i, p) in run.into_iter().enumerate() {
+            if i == 2 {
+                b.on_cancel(p);
+            } else {
+                last = b.on_failure(p, t0, 0.5);
+            }
+        }
+        assert_eq!(
+            last,
+            tr(State::Closed, State::Open, Reason::ConsecutiveFailures)
+        );
+        assert_eq!(b.on_success(pending, t0, 10 * MS, 0.5), None, "stale");
+    }
+
+    #[test]
+    fn a_failure_completing_late_joins_the_runs_on_both_sides() {
+        let t0 = Instant::now();
+        let mut s = settings();
+        s.failure_rate_percent = 0;
+        let mut b = CircuitBreaker::new(s, t0);
+        let p: Vec<Permit> = (0..5).map(|_| acquire(&mut b, t0)).collect();
+        let mut p = p.into_iter();
+        let first = p.next().unwrap();
+        let middle = p.next().unwrap();
+        assert_eq!(b.on_failure(first, t0, 0.5), None);
+        for rest in p {
+            assert_eq!(b.on_failure(rest, t0, 0.5), None);
+        }
+        assert_eq!(
+            b.on_failure(middle, t0, 0.5),
+            tr(State::Closed, State::Open, Reason::ConsecutiveFailures)
+        );
+    }
+
+    #[test]
+    fn panic_admits_through_an_open_circuit_and_its_successes_close_it() {
+        let t0 = Instant::now();
+        let mut b = tripped(t0);
+        let t = t0 + S;
+        assert!(b.try_acquire(t).0.is_err());
+        let open_for = b.retry_in(t);
+        // A panic request's failure changes nothing: the circuit is already open.
+        let (p, tr0) = b.try_acquire_panic(t);
+        assert!(p.is_panic() && !p.is_probe());
+        assert_eq!(tr0, None);
+        assert_eq!(b.on_failure(p, t, 0.5), None);
+        assert_eq!((b.state(), b.retry_in(t)), (State::Open, open_for));
+        // Its successes count like probes': two (`half_open_probes`) close the circuit.
+        let (p, _) = b.try_acquire_panic(t);
+        assert_eq!(b.on_success(p, t, 10 * MS, 0.5), None);
+        let (p, _) = b.try_acquire_panic(t);
+        assert_eq!(
+            b.on_success(p, t, 10 * MS, 0.5),
+            tr(State::Open, State::Closed, Reason::ProbesSucceeded)
+        );
+        // Closed: a panic acquire is an ordinary one.
+        let (p, _) = b.try_acquire_panic(t);
+        assert!(!p.is_panic());
+        b.on_cancel(p);
+        // Half-open with every probe slot taken: a panic request takes no slot, and a
+        // stale panic permit (issued while open) is ignored after the move to half-open.
+        let mut b = tripped(t0);
+        let (stale, _) = b.try_acquire_panic(t0);
+        let later = t0 + 40 * S;
+        let _probe1 = acquire(&mut b, later);
+        let _probe2 = acquire(&mut b, later);
+        assert_eq!(b.state(), State::HalfOpen);
+        assert!(b.try_acquire(later).0.is_err());
+        assert_eq!(b.on_success(stale, later, 10 * MS, 0.5), None);
+        let (p, _) = b.try_acquire_panic(later);
+        assert!(p.is_panic());
+        assert_eq!(b.on_failure(p, later, 0.5), None);
+        assert_eq!(
+            b.state(),
+            State::HalfOpen,
+            "a panic failure does not re-open"
+        );
     }
 
     #[test]

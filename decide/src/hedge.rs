@@ -2,15 +2,17 @@
 //!
 //! A hedge fires when the first attempt has produced no first byte after the hedge delay;
 //! whichever attempt yields a first byte first wins and the other is cancelled. With
-//! `delay: auto` the delay is the provider's observed p95 TTFT — so only the slowest ~5 %
-//! of requests are hedged — capped by the route's SLO TTFT (a request about to break the
-//! SLO is worth a hedge even if the provider is usually that slow).
+//! `delay: auto` the delay is the provider's observed TTFT quantile `1 − maxPercent`
+//! ([`crate::schedule::auto_hedge_quantile`]: P85 for a 15 % budget) — so about as many
+//! requests wait long enough to be hedged as the budget pays for — capped by the route's
+//! SLO TTFT (a request about to break the SLO is worth a hedge even if the provider is
+//! usually that slow).
 //!
 //! - [`TtftQuantiles`]: a streaming quantile estimator per provider. A fixed log-scale
 //!   histogram (1 ms … 5 min, buckets 8 % wide, interpolated within a bucket) whose counts
 //!   decay exponentially with time, so the estimate follows the provider's current
 //!   behaviour. O(1) memory (~170 `f64`s), O(1) record, O(buckets) query; thread-safe.
-//! - [`hedge_delay`]: picks the delay from the mode, the observed p95 and the SLO.
+//! - [`hedge_delay`]: picks the delay from the mode, the observed quantile and the SLO.
 //! - [`hedge_budget`]: hedges ≤ `max_percent` of requests over a rolling 10 s window — a
 //!   [`RetryBudget`] without the per-second floor, so hedging can never double the load.
 
@@ -28,7 +30,7 @@ pub const DEFAULT_HEDGE_DELAY: Duration = Duration::from_secs(1);
 /// The route's `hedging.delay`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HedgeMode {
-    /// Observed p95 TTFT, capped by the SLO TTFT.
+    /// The observed TTFT quantile the hedge budget pays for, capped by the SLO TTFT.
     Auto,
     /// A configured delay, used as is.
     Fixed(Duration),

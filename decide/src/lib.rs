@@ -21,6 +21,7 @@
 //! | [`priority`] | who gets the next concurrency slot and who is shed (priorities, starvation bound) |
 //! | [`capabilities`] | which parameters a provider takes, drops or refuses |
 //! | [`schedule`] | the attempt scheduler: when to start, retry, hedge, wait or give up |
+//! | [`route`] | the route's providers as the scheduler sees them, and what attempts teach |
 //! | [`balance`] | which provider an attempt goes to (tiers, weights, P2C over peak-EWMA) |
 //! | [`breaker`] | whether a provider is in rotation (Closed → Open → HalfOpen) |
 //! | [`retry`] | which failures are retried, backoff, `Retry-After`, retry budgets |
@@ -42,6 +43,7 @@ pub mod priority;
 pub mod request;
 pub mod responses;
 pub mod retry;
+pub mod route;
 pub mod schedule;
 pub mod semantic;
 pub mod sse;

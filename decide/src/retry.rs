@@ -9,6 +9,8 @@
 //! - [`backoff`]: exponential backoff with *full jitter* (AWS architecture blog: spreads
 //!   retries of many clients over the whole interval instead of re-synchronising them).
 //! - [`parse_retry_after`]: delta-seconds or HTTP-date; garbage is ignored, not an error.
+//! - [`rate_limit_exhausted`]: whether a 429 says the account is spent
+//!   (`x-ratelimit-remaining-*: 0`), a provider-wide signal.
 //! - [`RetryBudget`]: retries ≤ `budget_percent` of requests over a rolling window, plus a
 //!   floor of `min_per_second` so a quiet route can still retry (tower's `TpsBudget`,
 //!   linkerd's `retryRatio` / `minRetriesPerSecond` / `ttl`). When an upstream fails every
@@ -155,6 +157,22 @@ pub fn parse_retry_after(header_value: &[u8], now: SystemTime) -> Option<Duratio
     }
     let at = httpdate::parse_http_date(s).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// Whether a response says the account's limit is spent: any `x-ratelimit-remaining-*`
+/// header (OpenAI's `-requests` and `-tokens`, Anthropic's `anthropic-ratelimit-*-remaining`
+/// alike) whose value is 0. A header that does not parse says nothing.
+pub fn rate_limit_exhausted(headers: &http::HeaderMap) -> bool {
+    headers.iter().any(|(name, value)| {
+        let name = name.as_str();
+        let remaining = name.starts_with("x-ratelimit-remaining-")
+            || (name.starts_with("anthropic-ratelimit-") && name.ends_with("-remaining"));
+        remaining
+            && std::str::from_utf8(value.as_bytes())
+                .ok()
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .is_some_and(|v| v <= 0.0)
+    })
 }
 
 /// Parse the non-standard `retry-after-ms` header (OpenAI, Azure): non-negative
@@ -467,6 +485,42 @@ mod tests {
                 assert!(backoff(attempt, base, max, f) <= max);
             }
         }
+    }
+
+    #[test]
+    fn an_exhausted_rate_limit_is_a_remaining_header_at_zero() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = http::HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(*k, http::HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert!(rate_limit_exhausted(&headers(&[(
+            "x-ratelimit-remaining-requests",
+            "0"
+        )])));
+        assert!(rate_limit_exhausted(&headers(&[
+            ("x-ratelimit-remaining-requests", "12"),
+            ("x-ratelimit-remaining-tokens", " 0 "),
+        ])));
+        assert!(rate_limit_exhausted(&headers(&[(
+            "anthropic-ratelimit-requests-remaining",
+            "0"
+        )])));
+        assert!(!rate_limit_exhausted(&headers(&[(
+            "x-ratelimit-remaining-requests",
+            "3"
+        )])));
+        assert!(!rate_limit_exhausted(&headers(&[(
+            "x-ratelimit-remaining-requests",
+            "soon"
+        )])));
+        assert!(!rate_limit_exhausted(&headers(&[(
+            "x-ratelimit-limit-requests",
+            "0"
+        )])));
+        assert!(!rate_limit_exhausted(&http::HeaderMap::new()));
     }
 
     #[test]

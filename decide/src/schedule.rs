@@ -24,16 +24,33 @@
 //! 6. **Backoff.** The retry is due after exponential backoff with full jitter
 //!    ([`retry::backoff`]); a retry that would start after the total deadline is not
 //!    scheduled ([`Retry::TooLate`]).
+//!
+//!    6a. **A 429 is retried at once elsewhere.** A 429 says "not now, not from me": its retry
+//!    is due at once (no backoff), and this request does not go back to that provider before
+//!    the 429's own `Retry-After` (as the route honours it; the backoff when there is none).
+//!    So it goes to another provider now if one can take it, and to the same one only after
+//!    that wait ([`Scheduler::on_failure_from`]).
 //! 7. **Cool-down wait.** When an attempt is due and no provider is available but one is
-//!    cooling down (a 429/503 `Retry-After`) until before the deadline, the attempt waits for
-//!    the earliest cool-down to end; a provider that is available is used at once instead.
+//!    cooling down (a provider-wide 429/503 `Retry-After`, see [`cooldown`]) or held back by
+//!    rule 6a until before the deadline, the attempt waits for the earliest of those to end;
+//!    a provider that is available is used at once instead.
+//!
+//!    7a. **A first attempt does not wait, a retry waits once.** When a request's first
+//!    attempt finds nothing available, it goes to the provider [`Providers::pick_first`]
+//!    offers (the sidecar: one that is cooling down, when nothing else is in rotation)
+//!    instead of waiting: a client without us would have sent it, and would have got either
+//!    the answer or the same fast 429. A retry waits as rule 7 says, once; if it still finds
+//!    nothing when that wait ends (another request's 429 extended the cool-down), it too
+//!    goes where `pick_first` says, so waits never chain up to the deadline and
+//!    `maxAttempts` bounds them.
 //! 8. **Give up.** At the total deadline ([`GiveUp::Deadline`]); when nothing is in flight
 //!    and no retry is pending ([`GiveUp::Exhausted`]); when an attempt is due, none is in
 //!    flight and no provider is available or coming back before the deadline
 //!    ([`GiveUp::NothingAvailable`]).
 //!
-//! Cool-downs themselves (how long a 429 takes its provider out of rotation) are decided by
-//! [`cooldown`], which the sidecar applies to the provider's state when an attempt fails.
+//! Cool-downs themselves (whether and how long a 429 takes its provider out of rotation for
+//! every request) are decided by [`cooldown`] and [`provider_wide`], which the sidecar
+//! applies to the provider's state when an attempt fails (`route::learn`).
 
 use std::time::{Duration, Instant};
 
@@ -42,12 +59,54 @@ use crate::{
     retry::{self, FailureKind, RetryBudget, RetryClasses},
 };
 
-/// The TTFT quantile `delay: auto` hedges at: only the slowest 5 % of first attempts wait
-/// long enough to be hedged.
+/// The TTFT quantile `delay: auto` hedges at when the route sets no hedge budget to spend
+/// ([`auto_hedge_quantile`]): only the slowest 5 % of first attempts wait long enough to be
+/// hedged.
 pub const AUTO_HEDGE_QUANTILE: f64 = 0.95;
 
-/// A 429 without a usable `Retry-After` cools its provider down this long.
+/// The quantile range [`auto_hedge_quantile`] keeps to: below the median a hedge races
+/// most requests; above P99 the TTFT estimate is too noisy to aim with.
+pub const AUTO_HEDGE_QUANTILE_RANGE: (f64, f64) = (0.5, 0.99);
+
+/// The TTFT quantile `delay: auto` hedges at, for a hedge budget of `max_percent` % of
+/// requests: the `(1 − maxPercent)` quantile, so the attempts slower than it — the ones a
+/// hedge can cut — are about as many as the budget pays for, and the budget is spent on
+/// the tail instead of lying idle. A budget of 15 % hedges at P85.
+pub fn auto_hedge_quantile(max_percent: f64) -> f64 {
+    if !max_percent.is_finite() || max_percent <= 0.0 {
+        return AUTO_HEDGE_QUANTILE;
+    }
+    let (lo, hi) = AUTO_HEDGE_QUANTILE_RANGE;
+    (1.0 - max_percent / 100.0).clamp(lo, hi)
+}
+
+/// A provider-wide 429 without a usable `Retry-After` cools its provider down this long.
 pub const DEFAULT_429_COOLDOWN: Duration = Duration::from_secs(1);
+
+/// A `Retry-After` at least this long is about the provider, not one request: it takes the
+/// provider out of rotation ([`provider_wide`]).
+pub const LONG_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// [`RECENT_429S`](crate::balance::RECENT_429S) 429s from one provider within this long
+/// are a provider-wide signal ([`provider_wide`]).
+pub const BURST_429_WINDOW: Duration = Duration::from_secs(1);
+
+/// Whether a 429 speaks for the whole provider, so that it should leave rotation for every
+/// request (a cool-down), rather than for the request that got it: the provider said its
+/// account is spent (`exhausted`: an `x-ratelimit-remaining-*` header at 0), its
+/// `Retry-After` is [`LONG_RETRY_AFTER`] or more, or its last few 429s came within
+/// [`BURST_429_WINDOW`] (`recent_span`, from [`crate::balance::Balancer::record_pacing`]).
+/// A lone 429 is usually about that request or key: it shifts load away (the balancer's
+/// pace) and is retried elsewhere (rule 6a), and the provider stays in rotation.
+pub fn provider_wide(
+    exhausted: bool,
+    retry_after: Option<Duration>,
+    recent_span: Option<Duration>,
+) -> bool {
+    exhausted
+        || retry_after.is_some_and(|d| d >= LONG_RETRY_AFTER)
+        || recent_span.is_some_and(|d| d <= BURST_429_WINDOW)
+}
 
 /// A route's attempt policy (`retries`, `hedging`, `slo.ttftP99`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,23 +142,40 @@ pub struct CooldownSettings {
     pub max_retry_after: Duration,
 }
 
-/// How long a failed attempt takes its provider out of rotation: a 429 or 503 with a
-/// `Retry-After` (when honoured, capped at `maxRetryAfter`), a 429 without one for
-/// [`DEFAULT_429_COOLDOWN`]; anything else not at all (the breaker judges it).
+/// How long a failed attempt takes its provider out of rotation: a 503 with a
+/// `Retry-After` (when honoured, capped at `maxRetryAfter`); a 429 only when it is
+/// `provider_wide` ([`provider_wide`]), for its `Retry-After` likewise, or
+/// [`DEFAULT_429_COOLDOWN`] without one; anything else not at all (the breaker judges it).
 pub fn cooldown(
     kind: FailureKind,
     retry_after: Option<Duration>,
+    provider_wide: bool,
     settings: &CooldownSettings,
 ) -> Option<Duration> {
     let FailureKind::Status(code @ (429 | 503)) = kind else {
         return None;
     };
+    if code == 429 && !provider_wide {
+        return None;
+    }
     let wait = match retry_after {
         Some(d) if settings.honor_retry_after => d.min(settings.max_retry_after),
         _ if code == 429 => DEFAULT_429_COOLDOWN,
         _ => Duration::ZERO,
     };
     (!wait.is_zero()).then_some(wait)
+}
+
+/// The `Retry-After` a request waits before it goes back to the provider that sent it
+/// (rule 6a): the header as the route honours it (capped at `maxRetryAfter`), `None` when
+/// it is absent or not honoured.
+pub fn honoured_retry_after(
+    retry_after: Option<Duration>,
+    settings: &CooldownSettings,
+) -> Option<Duration> {
+    retry_after
+        .filter(|_| settings.honor_retry_after)
+        .map(|d| d.min(settings.max_retry_after))
 }
 
 /// What the scheduler asks about the route's providers and budgets. The sidecar answers
@@ -113,6 +189,12 @@ pub trait Providers {
     fn pick(&mut self, now: Instant, exclude: &[usize]) -> Option<(usize, Self::Grant)>;
     /// When the earliest cool-down of a usable provider ends, if one is cooling at `now`.
     fn cooldown_end(&self, now: Instant) -> Option<Instant>;
+    /// A request's first attempt found nothing [`Self::pick`] would give: a provider to try
+    /// anyway — what a client calling it directly would do — rather than make the request
+    /// wait (rule 7a). The default: none.
+    fn pick_first(&mut self, _now: Instant) -> Option<(usize, Self::Grant)> {
+        None
+    }
     /// The provider's recent TTFT quantile `q`, `None` until it has enough samples.
     fn ttft_quantile(&self, provider: usize, now: Instant, q: f64) -> Option<Duration>;
     /// The route's retry budget (`retries.budgetPercent`).
@@ -175,6 +257,10 @@ pub struct Scheduler {
     retry_at: Option<Instant>,
     hedge_at: Option<Instant>,
     first_start: Option<Instant>,
+    /// Rule 6a: providers this request does not go back to before the given time.
+    held: Vec<(usize, Instant)>,
+    /// Rule 7a: the pending attempt already waited for a provider to come back.
+    waited: bool,
 }
 
 impl Scheduler {
@@ -201,6 +287,8 @@ impl Scheduler {
             retry_at: Some(now),
             hedge_at: None,
             first_start: None,
+            held: Vec::new(),
+            waited: false,
         }
     }
 
@@ -234,8 +322,14 @@ impl Scheduler {
             && now >= at
         {
             self.retry_at = None;
-            match self.pick(now, providers) {
+            let choice = self.pick(now, providers).or_else(|| {
+                (self.attempts == 0 || self.waited)
+                    .then(|| providers.pick_first(now))
+                    .flatten()
+            });
+            match choice {
                 Some((provider, grant)) => {
+                    self.waited = false;
                     self.first_start.get_or_insert(now);
                     self.started(provider);
                     if let Some(hedge) = self.policy.hedge
@@ -254,8 +348,11 @@ impl Scheduler {
                     }
                     return Action::Start { provider, grant };
                 }
-                None => match providers.cooldown_end(now) {
-                    Some(end) if end < self.deadline => self.retry_at = Some(end),
+                None => match self.comes_back(now, providers) {
+                    Some(end) if end < self.deadline => {
+                        self.retry_at = Some(end);
+                        self.waited = true;
+                    }
                     _ if self.in_flight == 0 => return Action::GiveUp(GiveUp::NothingAvailable),
                     _ => {}
                 },
@@ -285,11 +382,36 @@ impl Scheduler {
     }
 
     /// An attempt ended without an answer the client can use. Decides its retry; call
-    /// [`Self::next`] afterwards.
+    /// [`Self::next`] afterwards. Without the provider and its `Retry-After`, a 429 is
+    /// retried after the backoff like any failure; [`Self::on_failure_from`] knows better.
     pub fn on_failure<P: Providers>(
         &mut self,
         now: Instant,
         kind: FailureKind,
+        providers: &mut P,
+    ) -> Retry {
+        self.retry_after_failure(now, kind, None, providers)
+    }
+
+    /// [`Self::on_failure`] of an attempt at `provider`, with the `Retry-After` it sent as
+    /// the route honours it ([`honoured_retry_after`]): a 429 is retried at once, and not at
+    /// `provider` before its `Retry-After` (or the backoff) — rule 6a.
+    pub fn on_failure_from<P: Providers>(
+        &mut self,
+        now: Instant,
+        kind: FailureKind,
+        provider: usize,
+        retry_after: Option<Duration>,
+        providers: &mut P,
+    ) -> Retry {
+        self.retry_after_failure(now, kind, Some((provider, retry_after)), providers)
+    }
+
+    fn retry_after_failure<P: Providers>(
+        &mut self,
+        now: Instant,
+        kind: FailureKind,
+        from: Option<(usize, Option<Duration>)>,
         providers: &mut P,
     ) -> Retry {
         self.in_flight = self.in_flight.saturating_sub(1);
@@ -302,12 +424,18 @@ impl Scheduler {
         if !providers.retry_budget().try_withdraw(now) {
             return Retry::BudgetRefused;
         }
-        let backoff = retry::backoff(
+        let mut backoff = retry::backoff(
             self.attempts,
             self.policy.backoff_base,
             self.policy.backoff_max,
             providers.jitter(),
         );
+        if let (FailureKind::Status(429), Some((provider, retry_after))) = (kind, from) {
+            let back = now + retry_after.unwrap_or(backoff);
+            self.held.retain(|&(p, _)| p != provider);
+            self.held.push((provider, back));
+            backoff = Duration::ZERO;
+        }
         let at = now + backoff;
         if at < self.deadline {
             self.retry_at = Some(at);
@@ -323,11 +451,31 @@ impl Scheduler {
         self.tried.push(provider);
     }
 
-    /// Rule 2: a provider not tried yet, else any available one.
+    /// Rule 2: a provider not tried yet, else any available one — never one held back by
+    /// rule 6a.
     fn pick<P: Providers>(&self, now: Instant, providers: &mut P) -> Option<(usize, P::Grant)> {
+        let held: Vec<usize> = self
+            .held
+            .iter()
+            .filter(|&&(_, until)| until > now)
+            .map(|&(p, _)| p)
+            .collect();
+        let mut untried = self.tried.clone();
+        untried.extend(&held);
         providers
-            .pick(now, &self.tried)
-            .or_else(|| (!self.tried.is_empty()).then(|| providers.pick(now, &[]))?)
+            .pick(now, &untried)
+            .or_else(|| (!self.tried.is_empty()).then(|| providers.pick(now, &held))?)
+    }
+
+    /// When a provider may come back for this request: the earliest cool-down or rule-6a
+    /// hold that ends after `now`.
+    fn comes_back<P: Providers>(&self, now: Instant, providers: &P) -> Option<Instant> {
+        self.held
+            .iter()
+            .map(|&(_, until)| until)
+            .chain(providers.cooldown_end(now))
+            .filter(|&t| t > now)
+            .min()
     }
 }
 
@@ -350,6 +498,8 @@ mod tests {
         jitter: f64,
         /// Every `exclude` list `pick` was called with.
         asked: Vec<Vec<usize>>,
+        /// What `pick_first` offers.
+        first: Option<usize>,
     }
 
     fn budget(min_per_second: u32, t0: Instant) -> RetryBudget {
@@ -373,6 +523,7 @@ mod tests {
                 hedge: budget(100, t0),
                 jitter: 0.5,
                 asked: Vec::new(),
+                first: None,
             }
         }
     }
@@ -396,6 +547,9 @@ mod tests {
                 .copied()
                 .filter(|t| *t > now)
                 .min()
+        }
+        fn pick_first(&mut self, _now: Instant) -> Option<(usize, ())> {
+            self.first.map(|i| (i, ()))
         }
         fn ttft_quantile(&self, provider: usize, _now: Instant, _q: f64) -> Option<Duration> {
             self.ttft[provider]
@@ -748,29 +902,183 @@ mod tests {
     }
 
     #[test]
+    fn only_a_provider_wide_429_cools_its_provider() {
+        let honour = CooldownSettings {
+            honor_retry_after: true,
+            max_retry_after: Duration::from_secs(30),
+        };
+        let s = |secs| Some(Duration::from_secs(secs));
+        // A lone 429: no cool-down, whatever its Retry-After; a 503's is not a 429's.
+        assert_eq!(
+            cooldown(FailureKind::Status(429), s(1), false, &honour),
+            None
+        );
+        assert_eq!(
+            cooldown(FailureKind::Status(429), None, false, &honour),
+            None
+        );
+        assert_eq!(
+            cooldown(FailureKind::Status(503), s(5), false, &honour),
+            s(5)
+        );
+        // What makes one provider-wide.
+        assert!(
+            provider_wide(true, None, None),
+            "x-ratelimit-remaining at 0"
+        );
+        assert!(provider_wide(false, Some(LONG_RETRY_AFTER), None));
+        assert!(!provider_wide(false, s(1), None));
+        assert!(provider_wide(false, s(1), Some(BURST_429_WINDOW)));
+        assert!(!provider_wide(false, s(1), Some(BURST_429_WINDOW + MS)));
+        assert!(!provider_wide(false, None, None));
+        // The request's own wait: the header as honoured.
+        assert_eq!(honoured_retry_after(s(60), &honour), s(30));
+        assert_eq!(honoured_retry_after(None, &honour), None);
+        let ignore = CooldownSettings {
+            honor_retry_after: false,
+            ..honour
+        };
+        assert_eq!(honoured_retry_after(s(1), &ignore), None);
+    }
+
+    #[test]
+    fn a_429_is_retried_at_once_elsewhere_and_at_its_provider_only_after_its_retry_after() {
+        let t0 = Instant::now();
+        let second = Duration::from_secs(1);
+        // Two providers: the retry goes to the other one now, no backoff.
+        let mut p = Fake::new(2, t0);
+        let mut s = start(policy(), &p, t0);
+        assert_eq!(started(s.next(t0, &mut p)), 0);
+        let t = t0 + 5 * MS;
+        assert_eq!(
+            s.on_failure_from(t, FailureKind::Status(429), 0, Some(second), &mut p),
+            Retry::Scheduled {
+                backoff: Duration::ZERO,
+                at: t
+            }
+        );
+        assert_eq!(started(s.next(t, &mut p)), 1);
+        // That one fails too (a 5xx, backoff as usual): the next retry may not go back to
+        // provider 0 before its Retry-After, so it waits for it, then goes there.
+        let Retry::Scheduled { at, .. } =
+            s.on_failure_from(t, FailureKind::Status(500), 1, None, &mut p)
+        else {
+            panic!("retried");
+        };
+        assert!(at < t0 + second);
+        p.available[1] = false;
+        assert_eq!(s.next(at, &mut p), Action::Wait { until: t + second });
+        assert_eq!(started(s.next(t + second, &mut p)), 0);
+
+        // One provider: the retry waits for the 429's own Retry-After, not a cool-down.
+        let mut p = Fake::new(1, t0);
+        let mut s = start(policy(), &p, t0);
+        started(s.next(t0, &mut p));
+        s.on_failure_from(t0, FailureKind::Status(429), 0, Some(second), &mut p);
+        assert_eq!(s.next(t0, &mut p), Action::Wait { until: t0 + second });
+        assert_eq!(started(s.next(t0 + second, &mut p)), 0);
+        // Without a Retry-After: the backoff.
+        let mut p = Fake::new(1, t0);
+        let mut s = start(policy(), &p, t0);
+        started(s.next(t0, &mut p));
+        s.on_failure_from(t0, FailureKind::Status(429), 0, None, &mut p);
+        let backoff = retry::backoff(1, 100 * MS, Duration::from_secs(2), 0.5);
+        assert_eq!(
+            s.next(t0, &mut p),
+            Action::Wait {
+                until: t0 + backoff
+            }
+        );
+        assert_eq!(started(s.next(t0 + backoff, &mut p)), 0);
+        // A Retry-After past the deadline, with nothing else: nothing to wait for.
+        let mut p = Fake::new(1, t0);
+        let mut s = start(policy(), &p, t0);
+        started(s.next(t0, &mut p));
+        s.on_failure_from(t0, FailureKind::Status(429), 0, Some(TOTAL), &mut p);
+        assert_eq!(s.next(t0, &mut p), Action::GiveUp(GiveUp::NothingAvailable));
+    }
+
+    #[test]
+    fn a_first_attempt_with_nothing_available_goes_where_pick_first_says_and_retries_wait() {
+        let t0 = Instant::now();
+        let mut p = Fake::new(1, t0);
+        let end = t0 + Duration::from_secs(2);
+        p.cooling_until[0] = Some(end);
+        p.first = Some(0);
+        let mut s = start(policy(), &p, t0);
+        assert_eq!(started(s.next(t0, &mut p)), 0, "does not wait");
+        let Retry::Scheduled { at, .. } = s.on_failure(t0, FailureKind::Status(503), &mut p) else {
+            panic!("retried");
+        };
+        assert_eq!(
+            s.next(at, &mut p),
+            Action::Wait { until: end },
+            "a retry waits"
+        );
+        assert_eq!(started(s.next(end, &mut p)), 0);
+        // Once: a retry whose wait ended with the cool-down extended goes out anyway.
+        p.first = None;
+        let Retry::Scheduled { at, .. } = s.on_failure(end, FailureKind::Status(503), &mut p)
+        else {
+            panic!("retried");
+        };
+        let later = end + Duration::from_secs(1);
+        p.cooling_until[0] = Some(later);
+        assert_eq!(s.next(at, &mut p), Action::Wait { until: later });
+        p.cooling_until[0] = Some(later + Duration::from_secs(1));
+        p.first = Some(0);
+        assert_eq!(started(s.next(later, &mut p)), 0, "no second wait");
+    }
+
+    #[test]
+    fn auto_hedges_at_the_quantile_the_budget_pays_for() {
+        assert!((auto_hedge_quantile(15.0) - 0.85).abs() < 1e-12);
+        assert!((auto_hedge_quantile(10.0) - 0.90).abs() < 1e-12);
+        assert_eq!(auto_hedge_quantile(0.5), 0.99);
+        assert_eq!(auto_hedge_quantile(80.0), 0.5);
+        assert_eq!(auto_hedge_quantile(0.0), AUTO_HEDGE_QUANTILE);
+        assert_eq!(auto_hedge_quantile(f64::NAN), AUTO_HEDGE_QUANTILE);
+    }
+
+    #[test]
     fn cooldowns_follow_retry_after_when_honoured() {
         let honour = CooldownSettings {
             honor_retry_after: true,
             max_retry_after: Duration::from_secs(30),
         };
         let s = |secs| Some(Duration::from_secs(secs));
-        assert_eq!(cooldown(FailureKind::Status(429), s(5), &honour), s(5));
-        assert_eq!(cooldown(FailureKind::Status(503), s(60), &honour), s(30));
         assert_eq!(
-            cooldown(FailureKind::Status(429), None, &honour),
+            cooldown(FailureKind::Status(429), s(5), true, &honour),
+            s(5)
+        );
+        assert_eq!(
+            cooldown(FailureKind::Status(503), s(60), true, &honour),
+            s(30)
+        );
+        assert_eq!(
+            cooldown(FailureKind::Status(429), None, true, &honour),
             Some(DEFAULT_429_COOLDOWN)
         );
-        assert_eq!(cooldown(FailureKind::Status(503), None, &honour), None);
-        assert_eq!(cooldown(FailureKind::Status(500), s(5), &honour), None);
-        assert_eq!(cooldown(FailureKind::Reset, None, &honour), None);
+        assert_eq!(
+            cooldown(FailureKind::Status(503), None, true, &honour),
+            None
+        );
+        assert_eq!(
+            cooldown(FailureKind::Status(500), s(5), true, &honour),
+            None
+        );
+        assert_eq!(cooldown(FailureKind::Reset, None, true, &honour), None);
         let ignore = CooldownSettings {
             honor_retry_after: false,
             ..honour
         };
         assert_eq!(
-            cooldown(FailureKind::Status(429), s(5), &ignore),
+            cooldown(FailureKind::Status(429), s(5), true, &ignore),
             Some(DEFAULT_429_COOLDOWN)
         );
-        assert_eq!(cooldown(FailureKind::Status(503), s(5), &ignore), None);
+        assert_eq!(
+            cooldown(FailureKind::Status(503), s(5), true, &ignore),
+            None
+        );
     }
 }

@@ -14,6 +14,9 @@
 //!   given amplification, evaluated on keyed fates (`sim::fate`); pure.
 //! * [`battery`] — `tailwarden-battery`: direct / sidecar / limit on every profile ×
 //!   topology × upstream stack (hyper and aiohttp), with the never-worse verdict per cell.
+//! * [`vtime`] — the sidecar's own attempt policy (the decision crate's scheduler, balancer,
+//!   breakers) run over a battery cell's keyed fates in virtual time: the battery's verdict
+//!   without sockets, in milliseconds.
 //! * [`controlplane`] — a real kube-apiserver, etcd, controller-manager, scheduler and kwok
 //!   on loopback for the operator and end-to-end tests, or with a real node instead of kwok.
 //! * [`node`] — running a test inside `e2e/controlplane/sandbox.sh` (namespaces of its own)
@@ -39,3 +42,4 @@ pub mod oracle;
 pub mod proc;
 pub mod sidecar;
 pub mod sim;
+pub mod vtime;

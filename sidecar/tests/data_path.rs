@@ -288,6 +288,54 @@ async fn hedge_returns_the_faster_provider_and_cancels_the_slow_one() {
     );
 }
 
+/// A lone 429 is about that request: it is retried on another provider at once, and its
+/// provider stays in rotation for the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_429_is_retried_elsewhere_and_keeps_its_provider_in_rotation() {
+    let primary = upstream(|n, _| {
+        if n == 0 {
+            Script::Respond {
+                delay: Duration::ZERO,
+                status: 429,
+                headers: vec![("retry-after", "2".into())],
+                body: "{}".into(),
+            }
+        } else {
+            ok("primary")
+        }
+    })
+    .await;
+    let backup = upstream(|_, _| ok("backup")).await;
+    let sc = sidecar(&route(
+        &[
+            ("primary", &primary.base_url(), 100, 0),
+            ("backup", &backup.base_url(), 100, 1),
+        ],
+        // A backoff of 60 s × jitter: one the retry waited for would (in 11 of 12 draws)
+        // show as seconds, or be past the 30 s deadline and not happen at all.
+        "  retries: {backoff: {base: 60s, max: 60s}}\n  timeouts: {total: 30s}\n",
+    ))
+    .await;
+    let started = Instant::now();
+    let r = chat(&sc, false).await;
+    assert_eq!(r.header("x-tailwarden-provider"), "backup");
+    assert!(
+        started.elapsed() < MS(5000),
+        "retried at once, not after a backoff: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(backup.count(), 1);
+    let r = chat(&sc, false).await;
+    assert_eq!(
+        r.header("x-tailwarden-provider"),
+        "primary",
+        "still in rotation"
+    );
+    assert_eq!(primary.count(), 2);
+}
+
+/// A provider-wide 429 (the account is spent: `x-ratelimit-remaining-requests: 0`) takes
+/// its provider out of rotation for the `Retry-After`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_keeps_the_provider_out_of_rotation() {
     let primary = upstream(|n, _| {
@@ -295,7 +343,10 @@ async fn retry_after_keeps_the_provider_out_of_rotation() {
             Script::Respond {
                 delay: Duration::ZERO,
                 status: 429,
-                headers: vec![("retry-after", "2".into())],
+                headers: vec![
+                    ("retry-after", "2".into()),
+                    ("x-ratelimit-remaining-requests", "0".into()),
+                ],
                 body: "{}".into(),
             }
         } else {
@@ -343,6 +394,8 @@ async fn retry_after_ms_and_rate_limit_resets_set_the_cool_down() {
         vec![
             ("retry-after-ms", "700".to_string()),
             ("retry-after", "30".to_string()),
+            // Provider-wide, so that it cools the provider at all (a lone 429 does not).
+            ("x-ratelimit-remaining-requests", "0".to_string()),
         ],
         vec![
             ("x-ratelimit-remaining-requests", "0".to_string()),

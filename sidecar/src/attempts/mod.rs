@@ -21,14 +21,16 @@ use bytes::Bytes;
 use futures_util::{StreamExt, stream::FuturesUnordered};
 use http::{HeaderMap, Response, StatusCode};
 use hyper::body::Incoming;
-use rand::Rng;
 use tailwarden_decide::{
-    breaker::Permit,
+    balance::Balancer,
+    breaker::{CircuitBreaker, Permit, Transition},
     capabilities::Decision,
     error::ApiError,
+    hedge::TtftQuantiles,
     request::RequestBody,
     retry::{FailureKind, RetryBudget},
-    schedule::{Action, GiveUp, Providers, Retry, Scheduler},
+    route::{Fleet, RouteProviders, learn},
+    schedule::{self, Action, CooldownSettings, GiveUp, Retry, Scheduler},
     sse::{SseEvent, SseForwarder},
     usage::Usage,
 };
@@ -38,11 +40,14 @@ use tracing::Span;
 use crate::{
     app::Exchange,
     config::Route,
-    record::telemetry::{self, KeyValue},
+    record::{
+        metrics::Metrics,
+        telemetry::{self, KeyValue},
+    },
     relay::{IntoResponse, ProxyBody},
 };
 use upstream::{AttemptFailure, AttemptResult, attempt, copy_response_headers};
-use verdict::{StreamVerdict, log_transition, record_failure, record_first_byte, record_success};
+use verdict::{StreamVerdict, note_transition, record_failure, record_first_byte, record_success};
 
 /// The exchange as the attempts see it: the request context, its parsed body, and what
 /// follows from both for every attempt.
@@ -91,72 +96,73 @@ pub enum Outcome {
     Failed(Box<Failed>),
 }
 
-/// The route's providers and budgets as the scheduler sees them: the balancer's choice among
-/// providers whose key is loaded, whose capability rules accept the request and whose
-/// breaker admits it; the breaker permit is the grant an attempt holds.
-struct LiveProviders<'c, 'a> {
-    call: &'c Call<'a>,
+/// The route's providers and their learned state as the decision crate sees them; breaker
+/// transitions are logged and metered under the request's span.
+pub(crate) struct RouteFleet<'a> {
+    pub route: &'a Route,
+    pub metrics: &'a Metrics,
+    pub span: &'a Span,
 }
 
-impl Providers for LiveProviders<'_, '_> {
-    type Grant = Permit;
-
-    fn pick(&mut self, now: std::time::Instant, exclude: &[usize]) -> Option<(usize, Permit)> {
-        let call = self.call;
-        let route = call.route;
-        let available = |i: usize| {
-            let u = &route.upstreams[i];
-            call.ex.pinned.as_ref().is_none_or(|p| p.provider == i)
-                && u.usable()
-                && !matches!(call.ex.decisions.get(i), Some(Decision::Reject { .. }))
-                && u.breaker().is_available(now)
-        };
-        let mut excluded: Vec<usize> = exclude.to_vec();
-        // A breaker can turn a request away between the balancer's look and the permit (a
-        // half-open breaker's probe slots filled by another request): try the next one.
-        for _ in 0..=route.upstreams.len() {
-            let choice = route
-                .balancer
-                .pick(now, &mut rand::rng(), &excluded, available)?;
-            let upstream = &route.upstreams[choice];
-            let (result, transition) = upstream.breaker().try_acquire(now);
-            if let Some(t) = transition {
-                log_transition(call, upstream, &t);
-            }
-            if let Ok(permit) = result {
-                return Some((choice, permit));
-            }
-            excluded.push(choice);
-        }
-        None
+impl Fleet for RouteFleet<'_> {
+    fn balancer(&self) -> &Balancer {
+        &self.route.balancer
     }
 
-    fn cooldown_end(&self, now: std::time::Instant) -> Option<std::time::Instant> {
-        let route = self.call.route;
-        (0..route.upstreams.len())
-            .filter(|&i| route.upstreams[i].usable())
-            .filter_map(|i| route.balancer.cooling_until(i))
-            .filter(|&until| until > now)
-            .min()
+    fn breaker(&self, i: usize) -> std::sync::MutexGuard<'_, CircuitBreaker> {
+        self.route.upstreams[i].breaker()
     }
 
-    fn ttft_quantile(&self, provider: usize, now: std::time::Instant, q: f64) -> Option<Duration> {
-        self.call.route.upstreams[provider]
-            .state
-            .ttft
-            .quantile(now, q)
+    fn ttft(&self, i: usize) -> &TtftQuantiles {
+        &self.route.upstreams[i].state.ttft
     }
 
     fn retry_budget(&self) -> &RetryBudget {
-        &self.call.route.state.retry_budget
+        &self.route.state.retry_budget
     }
 
     fn hedge_budget(&self) -> &RetryBudget {
-        &self.call.route.state.hedge_budget
+        &self.route.state.hedge_budget
     }
 
-    fn jitter(&mut self) -> f64 {
-        rand::rng().random::<f64>()
+    fn cooldown_settings(&self) -> &CooldownSettings {
+        &self.route.settings.policy.cooldown
+    }
+
+    fn on_transition(&self, i: usize, t: &Transition) {
+        note_transition(
+            self.metrics,
+            &self.route.name,
+            self.span,
+            &self.route.upstreams[i],
+            t,
+        );
+    }
+}
+
+impl Call<'_> {
+    pub(crate) fn fleet(&self) -> RouteFleet<'_> {
+        RouteFleet {
+            route: self.route,
+            metrics: &self.ex.app.metrics,
+            span: &self.ex.span,
+        }
+    }
+}
+
+/// The thread's random generator, taken afresh at each draw: a request's future moves
+/// between threads, so it cannot hold `rand::rng()` itself.
+struct ThreadRandom;
+
+impl rand::RngCore for ThreadRandom {
+    fn next_u32(&mut self) -> u32 {
+        rand::rng().next_u32()
+    }
+    fn next_u64(&mut self) -> u64 {
+        rand::rng().next_u64()
+    }
+    fn fill_bytes(&mut self, dst: &mut [u8]) {
+        rand::rng().fill_bytes(dst);
     }
 }
 
@@ -175,9 +181,23 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
     };
     let metrics = &ex.app.metrics;
     let dispatched = Instant::now();
-    let mut providers = LiveProviders { call };
+    let fleet = call.fleet();
+    let mut providers = RouteProviders {
+        fleet: &fleet,
+        // The provider the request is pinned to (Responses state), a usable key, and
+        // capability rules that take the request.
+        eligible: |i: usize| {
+            call.ex.pinned.as_ref().is_none_or(|p| p.provider == i)
+                && route.upstreams[i].usable()
+                && !matches!(call.ex.decisions.get(i), Some(Decision::Reject { .. }))
+        },
+        rng: ThreadRandom,
+        // A request pinned to the provider that holds its state fails fast with
+        // `owner_unavailable` when that one is out, rather than panic.
+        panic: call.ex.pinned.is_none(),
+    };
     let mut schedule = Scheduler::new(
-        route.settings.schedule,
+        route.settings.policy.schedule,
         dispatched.into_std(),
         call.ex.deadline.into_std(),
         &providers,
@@ -216,7 +236,7 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                 Action::Wait { until } => break Instant::from_std(until),
                 Action::GiveUp(why) => {
                     drop(inflight);
-                    cancel_permits(route, schedule.tried(), &mut permits);
+                    cancel_permits(&fleet, schedule.tried(), &mut permits);
                     let dispatch_delay = dispatch_delay(&schedule, dispatched);
                     return give_up(call, why, last_failure, &schedule, dispatch_delay);
                 }
@@ -240,10 +260,11 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                             record_first_byte(call, idx, elapsed);
                             Some(StreamVerdict {
                                 metrics: metrics.clone(),
-                                route: route.name.clone(),
-                                upstream: upstream.clone(),
+                                route: route.clone(),
+                                idx,
                                 permit,
                                 first_byte: elapsed,
+                                started: started_at.into_std(),
                                 span: call.ex.span.clone(),
                             })
                         } else {
@@ -261,7 +282,7 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                         }
                         // Dropping `inflight` cancels the losing attempts now.
                         drop(inflight);
-                        cancel_permits(route, schedule.tried(), &mut permits);
+                        cancel_permits(&fleet, schedule.tried(), &mut permits);
                         return Outcome::Won(Box::new(Won {
                             upstream: idx,
                             status: started.status,
@@ -284,7 +305,8 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, failure.kind.as_str()]).observe(elapsed.as_secs_f64());
                         record_failure(call, idx, permit, &failure, elapsed);
                         let reason = failure.kind.as_str();
-                        let retry = schedule.on_failure(std_now(), failure.kind, &mut providers);
+                        let retry_after = schedule::honoured_retry_after(failure.retry_after, &route.settings.policy.cooldown);
+                        let retry = schedule.on_failure_from(std_now(), failure.kind, idx, retry_after, &mut providers);
                         last_failure = Some((idx, failure));
                         note_retry(call, idx, reason, retry, schedule.attempts());
                     }
@@ -384,10 +406,10 @@ fn std_now() -> std::time::Instant {
 }
 
 /// Releases the permits of attempts that never reported (cancelled losers).
-fn cancel_permits(route: &Route, tried: &[usize], permits: &mut [Option<Permit>]) {
+fn cancel_permits(fleet: &RouteFleet<'_>, tried: &[usize], permits: &mut [Option<Permit>]) {
     for (slot, permit) in permits.iter_mut().enumerate() {
         if let (Some(permit), Some(&idx)) = (permit.take(), tried.get(slot)) {
-            route.upstreams[idx].breaker().on_cancel(permit);
+            learn::cancelled(fleet, idx, permit);
         }
     }
 }

@@ -44,6 +44,8 @@ pub struct Started {
 pub struct AttemptFailure {
     pub kind: FailureKind,
     pub retry_after: Option<Duration>,
+    /// The provider said its account is spent (`x-ratelimit-remaining-*: 0`).
+    pub exhausted: bool,
     /// The provider's own error response, passed to the client if nothing better comes.
     pub response: Option<(StatusCode, HeaderMap, Bytes)>,
     pub message: String,
@@ -117,6 +119,7 @@ fn failure(kind: FailureKind, message: impl Into<String>) -> AttemptFailure {
     AttemptFailure {
         kind,
         retry_after: None,
+        exhausted: false,
         response: None,
         message: message.into(),
     }
@@ -210,6 +213,7 @@ async fn attempt_inner(
             status.as_u16(),
             std::time::SystemTime::now(),
         );
+        let exhausted = retry::rate_limit_exhausted(&parts.headers);
         let mut collected = BytesMut::new();
         // The error body is short; read it within the same deadline, bounded in size.
         let _ = tokio::time::timeout_at(first_byte_deadline, async {
@@ -227,6 +231,7 @@ async fn attempt_inner(
         return Err(AttemptFailure {
             kind: FailureKind::Status(status.as_u16()),
             retry_after,
+            exhausted,
             message: format!("HTTP {status}"),
             response: Some((status, parts.headers, collected.freeze())),
         });

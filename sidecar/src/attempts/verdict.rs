@@ -1,20 +1,20 @@
 //! What an attempt tells the provider's state: the breaker's verdict (at the first byte,
 //! or for a stream at its end), the TTFT and latency samples behind the balancer and the
-//! hedge delay, and the cool-down after a 429/503.
+//! hedge delay, and the cool-down after a 429/503 — decided by `tailwarden_decide::route`'s
+//! [`learn`], logged and metered here.
 
 use std::{sync::Arc, time::Duration};
 
 use rand::Rng;
 use tailwarden_decide::{
     breaker::{Permit, Transition},
-    retry::FailureKind,
-    schedule,
+    route::{Failure, learn},
 };
 use tracing::Span;
 
-use super::{Call, std_now, upstream::AttemptFailure};
+use super::{Call, RouteFleet, std_now, upstream::AttemptFailure};
 use crate::{
-    config::Upstream,
+    config::{Route, Upstream},
     record::{
         metrics::{Metrics, breaker_gauge},
         telemetry::{self, KeyValue},
@@ -26,70 +26,55 @@ use crate::{
 /// streams after the first event is failing even though every attempt "started" well.
 pub struct StreamVerdict {
     pub(crate) metrics: Arc<Metrics>,
-    pub(crate) route: Arc<str>,
-    pub(crate) upstream: Arc<Upstream>,
+    pub(crate) route: Arc<Route>,
+    /// The provider's index in the route.
+    pub(crate) idx: usize,
     pub(crate) permit: Option<Permit>,
     pub(crate) first_byte: Duration,
+    /// When the attempt started (its whole time is the latency SLO's sample).
+    pub(crate) started: std::time::Instant,
     pub(crate) span: Span,
 }
 
 impl StreamVerdict {
-    /// The stream ended cleanly.
-    pub fn success(&mut self) {
-        let Some(permit) = self.permit.take() else {
-            return;
-        };
-        let jitter = rand::rng().random::<f64>();
-        let now = std_now();
-        let transition = self
-            .upstream
-            .state
-            .breaker
-            .lock()
-            .ok()
-            .and_then(|mut b| b.on_success(permit, now, self.first_byte, jitter));
-        self.note(transition);
-    }
-
-    /// The provider failed the stream after its first event (reset, stall).
-    pub fn failure(&mut self) {
-        let Some(permit) = self.permit.take() else {
-            return;
-        };
-        let jitter = rand::rng().random::<f64>();
-        let now = std_now();
-        let transition = self
-            .upstream
-            .state
-            .breaker
-            .lock()
-            .ok()
-            .and_then(|mut b| b.on_failure(permit, now, jitter));
-        self.note(transition);
-    }
-
-    fn note(&self, transition: Option<Transition>) {
-        if let Some(t) = transition {
-            note_transition(&self.metrics, &self.route, &self.span, &self.upstream, &t);
+    fn fleet(&self) -> RouteFleet<'_> {
+        RouteFleet {
+            route: &self.route,
+            metrics: &self.metrics,
+            span: &self.span,
         }
+    }
+
+    /// The stream ended cleanly (`ok`), or the provider failed it after its first event
+    /// (reset, stall).
+    fn ended(&mut self, ok: bool) {
+        let permit = self.permit.take();
+        let jitter = rand::rng().random::<f64>();
+        let now = std_now();
+        learn::stream_ended(
+            &self.fleet(),
+            self.idx,
+            permit,
+            now,
+            self.first_byte,
+            now.saturating_duration_since(self.started),
+            ok,
+            jitter,
+        );
     }
 }
 
 impl Drop for StreamVerdict {
     /// No verdict (the client left, the route's total deadline): the permit is released.
     fn drop(&mut self) {
-        if let Some(permit) = self.permit.take()
-            && let Ok(mut b) = self.upstream.state.breaker.lock()
-        {
-            b.on_cancel(permit);
+        if let Some(permit) = self.permit.take() {
+            learn::cancelled(&self.fleet(), self.idx, permit);
         }
     }
 }
 
 pub(crate) fn record_first_byte(call: &Call<'_>, idx: usize, elapsed: Duration) {
-    let now = std_now();
-    call.route.balancer.record_ttft(idx, now, elapsed);
-    call.route.upstreams[idx].state.ttft.record(now, elapsed);
+    learn::first_byte(&call.fleet(), idx, std_now(), elapsed);
 }
 
 pub(crate) fn record_success(
@@ -98,21 +83,8 @@ pub(crate) fn record_success(
     permit: Option<Permit>,
     elapsed: Duration,
 ) {
-    let route = call.route;
-    let now = std_now();
-    let upstream = &route.upstreams[idx];
-    record_first_byte(call, idx, elapsed);
-    let Some(permit) = permit else { return };
     let jitter = rand::rng().random::<f64>();
-    let transition = upstream
-        .state
-        .breaker
-        .lock()
-        .ok()
-        .and_then(|mut b| b.on_success(permit, now, elapsed, jitter));
-    if let Some(t) = transition {
-        log_transition(call, upstream, &t);
-    }
+    learn::answered(&call.fleet(), idx, permit, std_now(), elapsed, jitter);
 }
 
 pub(crate) fn record_failure(
@@ -122,41 +94,15 @@ pub(crate) fn record_failure(
     failure: &AttemptFailure,
     elapsed: Duration,
 ) {
-    let route = call.route;
-    let now = std_now();
-    let upstream = &route.upstreams[idx];
-    tracing::debug!(route = %route.name, provider = %upstream.name, kind = failure.kind.as_str(), message = %failure.message, "attempt failed");
-    route.balancer.record_latency(idx, now, elapsed);
-    if let Some(permit) = permit {
-        let mut b = upstream.breaker();
-        // A 429 is the provider pacing us: the Retry-After cool-down handles it, so it
-        // does not also count toward opening the circuit.
-        if failure.kind.counts_against_provider() && failure.kind != FailureKind::Status(429) {
-            let jitter = rand::rng().random::<f64>();
-            if let Some(t) = b.on_failure(permit, now, jitter) {
-                drop(b);
-                log_transition(call, upstream, &t);
-            }
-        } else {
-            // Not the provider's health (a 4xx, a 429): no verdict, frees a probe slot.
-            b.on_cancel(permit);
-        }
-    }
-    if let Some(wait) =
-        schedule::cooldown(failure.kind, failure.retry_after, &route.settings.cooldown)
-    {
-        route.balancer.cool_down(idx, now + wait);
-    }
-}
-
-pub(crate) fn log_transition(call: &Call<'_>, upstream: &Upstream, t: &Transition) {
-    note_transition(
-        &call.ex.app.metrics,
-        &call.route.name,
-        &call.ex.span,
-        upstream,
-        t,
-    );
+    tracing::debug!(route = %call.route.name, provider = %call.route.upstreams[idx].name, kind = failure.kind.as_str(), message = %failure.message, "attempt failed");
+    let jitter = rand::rng().random::<f64>();
+    let failure = Failure {
+        kind: failure.kind,
+        retry_after: failure.retry_after,
+        exhausted: failure.exhausted,
+        elapsed,
+    };
+    learn::failed(&call.fleet(), idx, permit, std_now(), &failure, jitter);
 }
 
 pub(crate) fn note_transition(
@@ -191,9 +137,9 @@ pub(crate) fn note_transition(
 impl Observer for StreamVerdict {
     fn on_end(&mut self, end: End) {
         match end {
-            End::Complete => self.success(),
+            End::Complete => self.ended(true),
             End::Failed("total_timeout" | "shutting_down") => {}
-            End::Failed(_) => self.failure(),
+            End::Failed(_) => self.ended(false),
         }
     }
 }

@@ -15,16 +15,14 @@ use std::{
 };
 
 use http::{HeaderName, HeaderValue, Uri};
-use tailwarden_crds::{InferenceRoute, InferenceRouteSpec, Provider, RetryOn, Tier};
+use tailwarden_crds::{InferenceRoute, InferenceRouteSpec, Provider, Tier};
 
 use tailwarden_decide::{
-    balance::{BalanceSettings, Balancer, EndpointSpec},
-    breaker::{BreakerSettings, CircuitBreaker},
+    balance::{Balancer, EndpointSpec},
+    breaker::CircuitBreaker,
     capabilities::CapabilityMap,
     context::ContextBudgets,
-    hedge::HedgeMode,
-    retry::{BudgetSettings, RetryClasses},
-    schedule::{AUTO_HEDGE_QUANTILE, CooldownSettings, HedgePolicy, Policy},
+    route::RoutePolicy,
     tiers::{TierError, TierSet},
     usage::Price,
 };
@@ -32,7 +30,7 @@ use tailwarden_decide::{
 use crate::{
     record::metrics::Metrics,
     state::{
-        BUDGET_WINDOW, BudgetKey, ProviderKey, ProviderState, Registry, RouteState,
+        BudgetKey, ProviderKey, ProviderState, Registry, RouteState,
         affinity::Affinity,
         exact::{Caches, ExactCache},
         limits::{LimitConfigError, Limiters, RouteLimiter},
@@ -179,10 +177,9 @@ pub struct Settings {
     pub include_usage: bool,
     pub heartbeat: Option<Duration>,
     pub max_body_bytes: u64,
-    /// What the attempt scheduler needs (`retries`, `hedging`, `slo.ttftP99`).
-    pub schedule: Policy,
-    /// How long a 429/503 takes its provider out of rotation (`retries.honorRetryAfter`).
-    pub cooldown: CooldownSettings,
+    /// What the attempt scheduler, the breakers, the budgets and the balancer need
+    /// (`retries`, `hedging`, `circuitBreaker`, `slo`), read by the decision crate.
+    pub policy: RoutePolicy,
 }
 
 /// One route, compiled.
@@ -386,30 +383,7 @@ fn compile_route(
     let name: Arc<str> = tailwarden_crds::load::qualified_name(route).into();
     let spec = &route.spec;
     let settings = settings(spec);
-    let cb = &spec.circuit_breaker;
-    // A disabled breaker is one whose thresholds can never be reached.
-    let breaker_settings = BreakerSettings {
-        consecutive_failures: if cb.enabled {
-            cb.consecutive_failures
-        } else {
-            u32::MAX
-        },
-        failure_rate_percent: cb.failure_rate_percent,
-        window: spec.circuit_breaker.window.get(),
-        min_requests: if cb.enabled {
-            cb.min_requests
-        } else {
-            u32::MAX
-        },
-        open_for: spec.circuit_breaker.open_for.get(),
-        max_open_for: spec.circuit_breaker.max_open_for.get(),
-        half_open_probes: spec.circuit_breaker.half_open_probes,
-        slow_call_threshold: cb
-            .slow_call_threshold
-            .as_ref()
-            .filter(|_| cb.enabled)
-            .map(|d| d.get()),
-    };
+    let breaker_settings = settings.policy.breaker.clone();
     let mut upstreams = Vec::with_capacity(spec.providers.len());
     let mut endpoints = Vec::with_capacity(spec.providers.len());
     for provider in &spec.providers {
@@ -462,31 +436,15 @@ fn compile_route(
         })?;
     let semantic = registries.semantic.for_route(&name, spec);
     let has_capabilities = spec.providers.iter().any(|p| !p.capabilities.is_empty());
-    let slo_latency = spec
-        .slo
-        .as_ref()
-        .and_then(|s| s.latency_p99.as_ref())
-        .map(|d| d.get());
     let budgets = BudgetKey {
-        retry: BudgetSettings {
-            percent: f64::from(spec.retries.budget_percent),
-            min_per_second: spec.retries.min_retries_per_second,
-            window: BUDGET_WINDOW,
-        },
-        hedge_percent: f64::from(spec.hedging.max_percent),
+        retry: settings.policy.retry_budget.clone(),
+        hedge_percent: settings.policy.hedge_percent,
     };
     let state = registries
         .routes
         .get_or_build(&name, &budgets, || Arc::new(RouteState::new(&budgets)));
     Ok(Route {
-        balancer: Balancer::with_state(
-            endpoints,
-            BalanceSettings {
-                ttft_budget: settings.slo_ttft,
-                latency_budget: slo_latency,
-                ..BalanceSettings::default()
-            },
-        ),
+        balancer: Balancer::with_state(endpoints, settings.policy.balance.clone()),
         state,
         tiers: spec.tiers.clone(),
         tier_set,
@@ -503,45 +461,17 @@ fn compile_route(
 }
 
 fn settings(spec: &InferenceRouteSpec) -> Settings {
-    let retry_on = &spec.retries.retry_on;
-    let slo_ttft = spec
-        .slo
-        .as_ref()
-        .and_then(|s| s.ttft_p99.as_ref())
-        .map(|d| d.get());
+    let policy = RoutePolicy::from_spec(spec);
     Settings {
         connect: spec.timeouts.connect.get(),
         first_byte: spec.timeouts.first_byte.get(),
         idle: spec.timeouts.idle.get(),
         total: spec.timeouts.total.get(),
-        slo_ttft,
+        slo_ttft: policy.balance.ttft_budget,
         include_usage: spec.streaming.include_usage,
         heartbeat: spec.streaming.heartbeat_interval.as_ref().map(|d| d.get()),
         max_body_bytes: spec.limits.max_body_bytes.get(),
-        schedule: Policy {
-            max_attempts: spec.retries.max_attempts.max(1),
-            retry_classes: RetryClasses {
-                connect: retry_on.contains(&RetryOn::Connect),
-                reset: retry_on.contains(&RetryOn::Reset),
-                status_5xx: retry_on.contains(&RetryOn::Status5xx),
-                status_429: retry_on.contains(&RetryOn::Status429),
-                first_byte_timeout: retry_on.contains(&RetryOn::FirstByteTimeout),
-            },
-            backoff_base: spec.retries.backoff.base.get(),
-            backoff_max: spec.retries.backoff.max.get(),
-            hedge: spec.hedging.enabled.then(|| HedgePolicy {
-                mode: spec
-                    .hedging
-                    .fixed_delay()
-                    .map_or(HedgeMode::Auto, HedgeMode::Fixed),
-                slo_ttft,
-                quantile: AUTO_HEDGE_QUANTILE,
-            }),
-        },
-        cooldown: CooldownSettings {
-            honor_retry_after: spec.retries.honor_retry_after,
-            max_retry_after: spec.retries.max_retry_after.get(),
-        },
+        policy,
     }
 }
 

@@ -325,7 +325,7 @@ async fn send_all(
     arrived: Instant,
 ) -> Result<Passed, ApiError> {
     let deadline = arrived + route.settings.total;
-    let max_attempts = route.settings.schedule.max_attempts.max(1);
+    let max_attempts = route.settings.policy.schedule.max_attempts.max(1);
     let idempotent = passthrough::idempotent(send.method);
     let mut attempt = 0u32;
     loop {

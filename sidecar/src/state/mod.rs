@@ -38,7 +38,6 @@ use std::{
     collections::HashMap,
     hash::Hash,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
 use arc_swap::ArcSwapOption;
@@ -186,9 +185,6 @@ impl RouteState {
         }
     }
 }
-
-/// The retry budget window of every route.
-pub const BUDGET_WINDOW: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
