@@ -485,8 +485,16 @@ pub struct Retries {
     /// little traffic can still retry. Default 10.
     #[serde(default = "defaults::min_retries_per_second")]
     pub min_retries_per_second: u32,
-    /// Wait for a 429 or 503's `Retry-After` before the next attempt on that provider, and
-    /// keep the provider out of rotation until then. Default true.
+    /// Wait for a 429 or 503's `Retry-After` before the next attempt on that provider;
+    /// another provider is tried at once. A 429 takes its provider out of rotation until then
+    /// only when it speaks for the whole provider — an `x-ratelimit-remaining-*` header at 0,
+    /// a `Retry-After` of 5 s or more, or three 429s within 1 s; a lone 429 only shifts load
+    /// away. Default true. The wait is read from
+    /// `retry-after-ms` (OpenAI's, the most precise), else `Retry-After` (seconds or an HTTP
+    /// date), else — on a 429 — from the reset of the exhausted limit:
+    /// `x-ratelimit-reset-requests` when `x-ratelimit-remaining-requests` is 0,
+    /// `x-ratelimit-reset-tokens` when `…-remaining-tokens` is 0, the later of the two when
+    /// the counts do not say (`1s`, `6m0s`, `20ms`).
     #[serde(default = "defaults::yes")]
     pub honor_retry_after: bool,
     /// Longest `Retry-After` honoured; longer values are capped to it. Default `30s`.
@@ -608,8 +616,9 @@ pub struct Hedging {
     /// Default false.
     #[serde(default)]
     pub enabled: bool,
-    /// How long to wait before hedging: `auto` (the provider's observed P95 time to first
-    /// byte, capped by `slo.ttftP99`) or a duration. Default `auto`.
+    /// How long to wait before hedging: `auto` (the provider's observed time-to-first-byte
+    /// quantile 1 − maxPercent, e.g. P85 for a 15 % budget, so the budget is spent where it
+    /// cuts the tail; capped by `slo.ttftP99`) or a duration. Default `auto`.
     #[serde(default = "defaults::hedge_delay")]
     #[schemars(length(min = 1, max = 32))]
     pub delay: String,
