@@ -373,8 +373,15 @@ impl Balancer {
             let mean_weight = total as f64 / candidates.len() as f64;
             let (a, wa) = *candidates.get(first)?;
             let (b, wb) = *candidates.get(second)?;
-            let cost_a = self.cost_with(a, wa, mean_weight, now);
-            let cost_b = self.cost_with(b, wb, mean_weight, now);
+            // A provider with no sample yet is judged like the one it is compared with: the
+            // default estimate against a learned one would starve it (it would never be
+            // picked, so never learn), whatever its weight — e.g. a provider whose weight a
+            // reload raised, while its peer's estimate survived the reload.
+            let (seen_a, seen_b) = (self.has_sample(a), self.has_sample(b));
+            let prior_a = (!seen_a && seen_b).then(|| self.ewma(b, now));
+            let prior_b = (!seen_b && seen_a).then(|| self.ewma(a, now));
+            let cost_a = self.cost_with(a, wa, mean_weight, now, prior_a);
+            let cost_b = self.cost_with(b, wb, mean_weight, now, prior_b);
             return Some(if cost_a > cost_b * self.settings.tie_ratio {
                 b
             } else {
@@ -498,8 +505,30 @@ impl Balancer {
             .map_or(1.0, |e| e.stats().penalty(now, &self.settings))
     }
 
-    /// The cost P2C compares, given the mean weight of the candidate set.
-    fn cost_with(&self, idx: usize, weight: u32, mean_weight: f64, now: Instant) -> f64 {
+    /// Whether `idx` has a TTFT sample (else its estimate is `default_ttft`).
+    fn has_sample(&self, idx: usize) -> bool {
+        self.endpoints
+            .get(idx)
+            .is_some_and(|e| e.stats().stamp.is_some())
+    }
+
+    /// `idx`'s TTFT estimate in seconds (`default_ttft` before its first sample).
+    fn ewma(&self, idx: usize, now: Instant) -> f64 {
+        self.endpoints
+            .get(idx)
+            .map_or(f64::INFINITY, |e| e.stats().ewma_at(now, &self.settings))
+    }
+
+    /// The cost P2C compares, given the mean weight of the candidate set; `prior` replaces
+    /// the estimate of an endpoint with no sample.
+    fn cost_with(
+        &self,
+        idx: usize,
+        weight: u32,
+        mean_weight: f64,
+        now: Instant,
+        prior: Option<f64>,
+    ) -> f64 {
         let Some(e) = self.endpoints.get(idx) else {
             return f64::INFINITY;
         };
@@ -507,7 +536,7 @@ impl Balancer {
         let (ewma, penalty, pace) = {
             let st = e.stats();
             (
-                st.ewma_at(now, &self.settings),
+                prior.unwrap_or_else(|| st.ewma_at(now, &self.settings)),
                 st.penalty(now, &self.settings),
                 st.pace_at(now),
             )
@@ -575,6 +604,21 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() <= tol, "got {got:?}, want {want:?}");
         }
+    }
+
+    #[test]
+    fn a_provider_without_samples_is_not_starved_by_a_learned_peer() {
+        // a learned a fast TTFT; b has never been picked (say a reload just raised its
+        // weight from 10 to 90 while a's estimate survived). b must get its weight's share,
+        // not nothing because the default estimate (100 ms) loses to a's 1 ms.
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(3);
+        let b = Balancer::new(
+            vec![ep("a", 10, 0), ep("b", 90, 0)],
+            BalanceSettings::default(),
+        );
+        b.record_ttft(0, now, MS);
+        assert_close(&shares(&b, 10_000, &mut rng, now), &[0.1, 0.9], 0.03);
     }
 
     #[test]
