@@ -819,12 +819,20 @@ pub enum Backend {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(
-    validation = Rule::new("self.address.matches('^[A-Za-z0-9.-]+:[0-9]{1,5}$')").message("address must be host:port").field_path(".address")
+    validation = Rule::new("self.address.matches('^(rediss?://)?[A-Za-z0-9.-]+:[0-9]{1,5}$')").message("address must be host:port, redis://host:port or rediss://host:port (no user name or password: use auth)").field_path(".address"),
+    validation = Rule::new("!has(self.tls) || !self.address.startsWith('redis://')").message("tls is set but the address says redis:// (plain); use rediss:// or host:port").field_path(".tls")
 )]
 pub struct Redis {
-    /// `host:port` of the Redis server.
-    #[schemars(length(min = 1, max = 261))]
+    /// `host:port` of the Redis server; `rediss://host:port` turns TLS on (verified against
+    /// the Mozilla roots built into the sidecar unless `tls.ca` names a CA).
+    #[schemars(length(min = 1, max = 271))]
     pub address: String,
+    /// AUTH: a password and, for Redis 6+ ACLs, a user name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<RedisAuth>,
+    /// TLS to the server (also on with a `rediss://` address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RedisTls>,
     /// What to do when Redis cannot be reached: `open` admits requests (limits enforced
     /// locally only), `closed` rejects them with 503. Default `open`.
     #[serde(default)]
@@ -899,12 +907,103 @@ pub struct ExactCache {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(
-    validation = Rule::new("self.address.matches('^[A-Za-z0-9.-]+:[0-9]{1,5}$')").message("address must be host:port").field_path(".address")
+    validation = Rule::new("self.address.matches('^(rediss?://)?[A-Za-z0-9.-]+:[0-9]{1,5}$')").message("address must be host:port, redis://host:port or rediss://host:port (no user name or password: use auth)").field_path(".address"),
+    validation = Rule::new("!has(self.tls) || !self.address.startsWith('redis://')").message("tls is set but the address says redis:// (plain); use rediss:// or host:port").field_path(".tls")
 )]
 pub struct CacheRedis {
-    /// `host:port` of the Redis server.
-    #[schemars(length(min = 1, max = 261))]
+    /// `host:port` of the Redis server; `rediss://host:port` turns TLS on.
+    #[schemars(length(min = 1, max = 271))]
     pub address: String,
+    /// AUTH: a password and, for Redis 6+ ACLs, a user name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<RedisAuth>,
+    /// TLS to the server (also on with a `rediss://` address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RedisTls>,
+}
+
+/// AUTH to a Redis server. The password is never part of the route: it comes from a Secret
+/// (mounted into the sidecar, never copied), an environment variable or a file.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("!has(self.username) || self.username.matches('^[!-~]+$')").message("username must be printable ASCII without spaces").field_path(".username")
+)]
+pub struct RedisAuth {
+    /// ACL user (Redis 6+: `AUTH username password`); the `default` user when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub username: Option<String>,
+    /// The password.
+    pub password: SecretSource,
+}
+
+/// TLS to a Redis server: whom to trust, and an optional client certificate.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("!has(self.ca) || !has(self.ca.env)").message("ca must be a secretRef or a file (a PEM bundle), not env").field_path(".ca"),
+    validation = Rule::new("!has(self.serverName) || self.serverName.matches('^[A-Za-z0-9.-]+$')").message("serverName must be a DNS name").field_path(".serverName")
+)]
+pub struct RedisTls {
+    /// PEM bundle of the only CAs the server's certificate may chain to; the Mozilla roots
+    /// built into the sidecar when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<SecretSource>,
+    /// Client certificate and key for servers that require one (mutual TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_certificate: Option<ClientCertificate>,
+    /// Name the server's certificate must carry; the address's host when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub server_name: Option<String>,
+}
+
+/// A client certificate: a `kubernetes.io/tls` Secret in the route's namespace (its
+/// `tls.crt` and `tls.key`, mounted into the sidecar), or two PEM files.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("has(self.secretName) ? !has(self.certFile) && !has(self.keyFile) : has(self.certFile) && has(self.keyFile)").message("clientCertificate needs either secretName or both certFile and keyFile"),
+    validation = Rule::new("(!has(self.certFile) || self.certFile.startsWith('/')) && (!has(self.keyFile) || self.keyFile.startsWith('/'))").message("certFile and keyFile must be absolute paths")
+)]
+pub struct ClientCertificate {
+    /// A `kubernetes.io/tls` Secret in the route's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: Option<String>,
+    /// PEM certificate (chain) file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub cert_file: Option<String>,
+    /// PEM private key file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub key_file: Option<String>,
+}
+
+/// A secret value: exactly one of `secretRef` (a key of a Secret in the route's namespace,
+/// mounted into the sidecar, never copied), `env` (standalone use) or `file` (re-read when
+/// it changes).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("(has(self.secretRef) ? 1 : 0) + (has(self.env) ? 1 : 0) + (has(self.file) ? 1 : 0) == 1").message("needs exactly one of secretRef, env or file"),
+    validation = Rule::new("!has(self.env) || self.env.matches('^[A-Za-z_][A-Za-z0-9_]*$')").message("env must be an environment variable name (letters, digits and '_', not starting with a digit)").field_path(".env"),
+    validation = Rule::new("!has(self.file) || self.file.startsWith('/')").message("file must be an absolute path").field_path(".file")
+)]
+pub struct SecretSource {
+    /// A key of a Secret in the route's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+    /// An environment variable of the sidecar.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub env: Option<String>,
+    /// An absolute path to a file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub file: Option<String>,
 }
 
 /// Semantic cache: a request gets the stored answer of an earlier request that asks the same

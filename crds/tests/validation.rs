@@ -146,6 +146,27 @@ fn valid_routes_load() {
                 json!({"address": "redis.shop:6379"}),
             );
         }),
+        ("redis with AUTH, TLS and a client certificate", |d| {
+            set(d, "/spec/rateLimit/backend", json!("redis"));
+            set(
+                d,
+                "/spec/rateLimit/redis",
+                json!({"address": "rediss://redis.shop:6380",
+                       "auth": {"username": "tw", "password": {"secretRef": {"name": "redis", "key": "password"}}},
+                       "tls": {"ca": {"file": "/etc/redis/ca.crt"}, "clientCertificate": {"secretName": "redis-client"},
+                               "serverName": "redis.internal"}}),
+            );
+        }),
+        ("a shared cache with a password from the environment", |d| {
+            set(d, "/spec/cache/exact/enabled", json!(true));
+            set(d, "/spec/cache/exact/backend", json!("redis"));
+            set(
+                d,
+                "/spec/cache/exact/redis",
+                json!({"address": "redis.shop:6379", "auth": {"password": {"env": "REDIS_PASSWORD"}},
+                       "tls": {}}),
+            );
+        }),
         ("tiers on regex, headers and message counts", |d| {
             set(
                 d,
@@ -526,7 +547,73 @@ fn invalid_routes_are_rejected_with_exact_messages() {
                 set(d, "/spec/rateLimit/redis", json!({"address": "redis"}));
             },
             "spec.rateLimit.redis.address",
-            "address must be host:port",
+            "address must be host:port, redis://host:port or rediss://host:port (no user name or password: use auth)",
+        ),
+        (
+            "redis password in the address",
+            |d| {
+                set(d, "/spec/rateLimit/backend", json!("redis"));
+                set(
+                    d,
+                    "/spec/rateLimit/redis",
+                    json!({"address": "rediss://:hunter2@redis:6380"}),
+                );
+            },
+            "spec.rateLimit.redis.address",
+            "address must be host:port, redis://host:port or rediss://host:port (no user name or password: use auth)",
+        ),
+        (
+            "redis tls on a plain redis:// address",
+            |d| {
+                set(d, "/spec/rateLimit/backend", json!("redis"));
+                set(
+                    d,
+                    "/spec/rateLimit/redis",
+                    json!({"address": "redis://redis:6379", "tls": {}}),
+                );
+            },
+            "spec.rateLimit.redis.tls",
+            "tls is set but the address says redis:// (plain); use rediss:// or host:port",
+        ),
+        (
+            "redis password from two sources",
+            |d| {
+                set(d, "/spec/rateLimit/backend", json!("redis"));
+                set(
+                    d,
+                    "/spec/rateLimit/redis",
+                    json!({"address": "redis:6379", "auth": {"password": {"env": "P", "file": "/p"}}}),
+                );
+            },
+            "spec.rateLimit.redis.auth.password",
+            "needs exactly one of secretRef, env or file",
+        ),
+        (
+            "redis CA from the environment",
+            |d| {
+                set(d, "/spec/rateLimit/backend", json!("redis"));
+                set(
+                    d,
+                    "/spec/rateLimit/redis",
+                    json!({"address": "redis:6379", "tls": {"ca": {"env": "CA"}}}),
+                );
+            },
+            "spec.rateLimit.redis.tls.ca",
+            "ca must be a secretRef or a file (a PEM bundle), not env",
+        ),
+        (
+            "redis client certificate without its key",
+            |d| {
+                set(d, "/spec/cache/exact/enabled", json!(true));
+                set(d, "/spec/cache/exact/backend", json!("redis"));
+                set(
+                    d,
+                    "/spec/cache/exact/redis",
+                    json!({"address": "redis:6379", "tls": {"clientCertificate": {"certFile": "/c.pem"}}}),
+                );
+            },
+            "spec.cache.exact.redis.tls.clientCertificate",
+            "clientCertificate needs either secretName or both certFile and keyFile",
         ),
         (
             "rate limit zero rps",

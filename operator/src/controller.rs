@@ -153,14 +153,16 @@ pub struct Context {
     pub metrics: Metrics,
 }
 
-/// Secret names a route references.
-fn referenced_secrets(route: &InferenceRoute) -> impl Iterator<Item = &str> {
-    route
-        .spec
-        .providers
-        .iter()
-        .filter_map(|p| p.auth.as_ref()?.secret_ref.as_ref())
-        .map(|s| s.name.as_str())
+/// Names of the Secrets a route references (providers' keys, Redis passwords and
+/// certificates), sorted, without repeats.
+fn referenced_secrets(route: &InferenceRoute) -> Vec<String> {
+    let mut names: Vec<String> = render::secret_refs(route)
+        .into_iter()
+        .map(|(secret, _)| secret)
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
 }
 
 /// Names and data keys of the Secrets the route references (values are dropped at once).
@@ -171,18 +173,15 @@ async fn secret_keys(
 ) -> Result<SecretKeys, Error> {
     let api: Api<Secret> = Api::namespaced(client.clone(), ns);
     let mut out = SecretKeys::new();
-    let mut names: Vec<&str> = referenced_secrets(route).collect();
-    names.sort_unstable();
-    names.dedup();
-    for name in names {
-        if let Some(secret) = api.get_opt(name).await? {
+    for name in referenced_secrets(route) {
+        if let Some(secret) = api.get_opt(&name).await? {
             let keys = secret
                 .data
                 .iter()
                 .flat_map(|d| d.keys().cloned())
                 .chain(secret.string_data.iter().flat_map(|d| d.keys().cloned()))
                 .collect();
-            out.insert(name.to_owned(), keys);
+            out.insert(name, keys);
         }
     }
     Ok(out)
@@ -474,9 +473,7 @@ pub async fn run(
                 secrets_index
                     .state()
                     .iter()
-                    .filter(|r| {
-                        r.metadata.namespace == ns && referenced_secrets(r).any(|s| s == name)
-                    })
+                    .filter(|r| r.metadata.namespace == ns && referenced_secrets(r).contains(&name))
                     .map(|r| ObjectRef::from_obj(&**r))
                     .collect::<Vec<_>>()
             });

@@ -91,7 +91,7 @@ impl InjectConfig {
 }
 
 /// What the injector needs to know about one `InferenceRoute`: its name and the Secret keys
-/// its providers read (`spec.providers[].auth.secretRef`), so the pod can mount them.
+/// its sidecar reads, so the pod can mount them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RouteInfo {
     /// The route's name (in the pod's namespace).
@@ -109,18 +109,12 @@ impl RouteInfo {
         }
     }
 
-    /// What the injector needs from an `InferenceRoute`.
+    /// What the injector needs from an `InferenceRoute`: every Secret key its sidecar reads
+    /// (provider keys, Redis passwords, CA bundles, client certificates).
     pub fn from_route(route: &InferenceRoute) -> Self {
-        let secret_keys = route
-            .spec
-            .providers
-            .iter()
-            .filter_map(|p| p.auth.as_ref()?.secret_ref.as_ref())
-            .map(|r| (r.name.clone(), r.key.clone()))
-            .collect();
         Self {
             name: route.name_any(),
-            secret_keys,
+            secret_keys: crate::render::secret_refs(route),
         }
     }
 }
@@ -828,6 +822,58 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(RouteInfo::from_route(&route), chat());
+    }
+
+    #[test]
+    fn the_redis_password_ca_and_client_certificate_are_mounted_into_the_sidecar() {
+        let route: InferenceRoute = serde_json::from_value(json!({
+            "apiVersion": "tailwarden.io/v1alpha1",
+            "kind": "InferenceRoute",
+            "metadata": { "name": "limited", "namespace": "shop" },
+            "spec": {
+                "models": ["m"],
+                "providers": [{ "name": "p", "baseUrl": "http://p/v1" }],
+                "rateLimit": { "tokensPerMinute": 1000, "backend": "redis", "redis": {
+                    "address": "rediss://redis.shop:6380",
+                    "auth": { "password": { "secretRef": { "name": "redis", "key": "password" } } },
+                    "tls": { "ca": { "secretRef": { "name": "redis-ca", "key": "ca.crt" } },
+                             "clientCertificate": { "secretName": "redis-client" } } } },
+                "cache": { "exact": { "enabled": true, "backend": "redis", "redis": {
+                    "address": "redis.shop:6379",
+                    "auth": { "username": "cache", "password": { "env": "REDIS_PASSWORD" } } } } },
+            },
+        }))
+        .unwrap();
+        let info = RouteInfo::from_route(&route);
+        let pod = json!({
+            "metadata": { "name": "app", "annotations": { ROUTES_ANNOTATION: "limited" } },
+            "spec": { "containers": [{ "name": "app", "image": "app:1" }] },
+        });
+        let got = inject_into(pod, &labels(None), &[info], &cfg());
+        let keys = got["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == KEYS_VOLUME)
+            .expect("a keys volume");
+        // Each Secret's keys, at the paths the rendered config names (render.rs tests them);
+        // the env source needs nothing mounted.
+        assert_eq!(
+            keys["projected"]["sources"],
+            json!([
+                { "secret": { "name": "redis", "items": [{ "key": "password", "path": "redis/password" }], "optional": true } },
+                { "secret": { "name": "redis-ca", "items": [{ "key": "ca.crt", "path": "redis-ca/ca.crt" }], "optional": true } },
+                { "secret": { "name": "redis-client", "items": [
+                    { "key": "tls.crt", "path": "redis-client/tls.crt" },
+                    { "key": "tls.key", "path": "redis-client/tls.key" },
+                ], "optional": true } },
+            ])
+        );
+        assert_eq!(
+            got["spec"]["initContainers"][0]["volumeMounts"],
+            expected_sidecar(true)["volumeMounts"],
+            "the keys volume is mounted read-only"
+        );
     }
 
     // ---- the patch, applied to fixture pods -------------------------------------------

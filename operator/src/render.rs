@@ -10,7 +10,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kube::api::ObjectMeta;
 use sha2::{Digest, Sha256};
-use tailwarden_crds::{Auth, InferenceRoute};
+use tailwarden_crds::{
+    Auth, ClientCertificate, InferenceRoute, InferenceRouteSpec, RedisAuth, RedisTls, SecretSource,
+};
 
 use crate::consts;
 
@@ -39,12 +41,63 @@ pub enum RenderError {
     Serialise(String),
 }
 
-/// Renders a route. Pure: same inputs, same output, byte for byte.
-pub fn desired(route: &InferenceRoute, secrets: &SecretKeys) -> Result<Desired, RenderError> {
-    let name = route.metadata.name.clone().ok_or(RenderError::NoName)?;
-    let mut spec = route.spec.clone();
-    let mut secret_refs = Vec::new();
-    let mut missing = Vec::new();
+/// Collects the Secret keys a route references and notes the missing ones.
+struct Refs<'a> {
+    secrets: &'a SecretKeys,
+    pairs: Vec<(String, String)>,
+    missing: Vec<String>,
+}
+
+impl Refs<'_> {
+    /// `secret/key`, needed by `owner` (`provider openai`): its path in the keys volume.
+    fn mount(&mut self, owner: &str, secret: &str, key: &str) -> String {
+        match self.secrets.get(secret) {
+            None => self
+                .missing
+                .push(format!("{owner}: Secret {secret} does not exist")),
+            Some(keys) if !keys.contains(key) => self
+                .missing
+                .push(format!("{owner}: Secret {secret} has no key {key}")),
+            Some(_) => {}
+        }
+        let pair = (secret.to_owned(), key.to_owned());
+        if !self.pairs.contains(&pair) {
+            self.pairs.push(pair);
+        }
+        consts::key_path(secret, key)
+    }
+
+    /// A `secretRef` source becomes a `file` source.
+    fn source(&mut self, owner: &str, source: &mut SecretSource) {
+        if let Some(r) = source.secret_ref.take() {
+            source.file = Some(self.mount(owner, &r.name, &r.key));
+        }
+    }
+
+    fn redis(&mut self, owner: &str, auth: Option<&mut RedisAuth>, tls: Option<&mut RedisTls>) {
+        if let Some(auth) = auth {
+            self.source(&format!("{owner}.auth.password"), &mut auth.password);
+        }
+        let Some(tls) = tls else { return };
+        if let Some(ca) = tls.ca.as_mut() {
+            self.source(&format!("{owner}.tls.ca"), ca);
+        }
+        if let Some(cert) = tls.client_certificate.as_mut()
+            && let Some(name) = cert.secret_name.take()
+        {
+            let owner = format!("{owner}.tls.clientCertificate");
+            *cert = ClientCertificate {
+                secret_name: None,
+                cert_file: Some(self.mount(&owner, &name, "tls.crt")),
+                key_file: Some(self.mount(&owner, &name, "tls.key")),
+            };
+        }
+    }
+}
+
+/// Replaces every Secret reference of `spec` (provider keys, Redis passwords, CA bundles and
+/// client certificates) by the path of its file in the keys volume.
+fn mount_secrets(spec: &mut InferenceRouteSpec, refs: &mut Refs<'_>) {
     for provider in &mut spec.providers {
         let Some(auth) = provider.auth.as_mut() else {
             continue;
@@ -52,29 +105,54 @@ pub fn desired(route: &InferenceRoute, secrets: &SecretKeys) -> Result<Desired, 
         let Some(secret_ref) = auth.secret_ref.take() else {
             continue;
         };
-        let pair = (secret_ref.name.clone(), secret_ref.key.clone());
-        match secrets.get(&secret_ref.name) {
-            None => missing.push(format!(
-                "provider {}: Secret {} does not exist",
-                provider.name, secret_ref.name
-            )),
-            Some(keys) if !keys.contains(&secret_ref.key) => missing.push(format!(
-                "provider {}: Secret {} has no key {}",
-                provider.name, secret_ref.name, secret_ref.key
-            )),
-            Some(_) => {}
-        }
+        let file = refs.mount(
+            &format!("provider {}", provider.name),
+            &secret_ref.name,
+            &secret_ref.key,
+        );
         *auth = Auth {
             secret_ref: None,
             env: None,
-            file: Some(consts::key_path(&pair.0, &pair.1)),
+            file: Some(file),
             header: auth.header.clone(),
             scheme: auth.scheme.clone(),
         };
-        if !secret_refs.contains(&pair) {
-            secret_refs.push(pair);
-        }
     }
+    if let Some(r) = spec.rate_limit.as_mut().and_then(|l| l.redis.as_mut()) {
+        refs.redis("rateLimit.redis", r.auth.as_mut(), r.tls.as_mut());
+    }
+    if let Some(r) = spec.cache.exact.redis.as_mut() {
+        refs.redis("cache.exact.redis", r.auth.as_mut(), r.tls.as_mut());
+    }
+}
+
+/// `(secret, key)` pairs a route's sidecar needs mounted, in order, without repeats.
+pub fn secret_refs(route: &InferenceRoute) -> Vec<(String, String)> {
+    let none = SecretKeys::new();
+    let mut refs = Refs {
+        secrets: &none,
+        pairs: Vec::new(),
+        missing: Vec::new(),
+    };
+    mount_secrets(&mut route.spec.clone(), &mut refs);
+    refs.pairs
+}
+
+/// Renders a route. Pure: same inputs, same output, byte for byte.
+pub fn desired(route: &InferenceRoute, secrets: &SecretKeys) -> Result<Desired, RenderError> {
+    let name = route.metadata.name.clone().ok_or(RenderError::NoName)?;
+    let mut spec = route.spec.clone();
+    let mut refs = Refs {
+        secrets,
+        pairs: Vec::new(),
+        missing: Vec::new(),
+    };
+    mount_secrets(&mut spec, &mut refs);
+    let Refs {
+        pairs: secret_refs,
+        missing,
+        ..
+    } = refs;
     let rendered = InferenceRoute {
         metadata: ObjectMeta {
             name: Some(name),
@@ -212,6 +290,76 @@ mod tests {
         );
         // Missing secrets do not change the rendered config.
         assert_eq!(none.config_yaml, d.config_yaml);
+    }
+
+    #[test]
+    fn redis_passwords_and_certificates_become_mounted_files() {
+        let route: InferenceRoute = serde_norway::from_str(
+            "apiVersion: tailwarden.io/v1alpha1\nkind: InferenceRoute\nmetadata: {name: limited, namespace: shop}\nspec:\n  models: [m]\n  providers:\n  - {name: p, baseUrl: 'http://p/v1', auth: {secretRef: {name: openai, key: apiKey}}}\n  rateLimit:\n    tokensPerMinute: 1000\n    backend: redis\n    redis:\n      address: rediss://redis.shop:6380\n      auth: {username: tw, password: {secretRef: {name: redis, key: password}}}\n      tls:\n        ca: {secretRef: {name: redis-ca, key: ca.crt}}\n        clientCertificate: {secretName: redis-client}\n  cache:\n    exact:\n      enabled: true\n      backend: redis\n      redis: {address: 'redis.shop:6379', auth: {password: {secretRef: {name: redis, key: password}}}}\n",
+        )
+        .unwrap();
+        let d = desired(
+            &route,
+            &secrets(&[
+                ("openai", "apiKey"),
+                ("redis", "password"),
+                ("redis-client", "tls.crt"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            d.secret_refs,
+            [
+                ("openai", "apiKey"),
+                ("redis", "password"),
+                ("redis-ca", "ca.crt"),
+                ("redis-client", "tls.crt"),
+                ("redis-client", "tls.key"),
+            ]
+            .map(|(s, k)| (s.to_owned(), k.to_owned()))
+        );
+        assert_eq!(
+            d.missing,
+            [
+                "rateLimit.redis.tls.ca: Secret redis-ca does not exist",
+                "rateLimit.redis.tls.clientCertificate: Secret redis-client has no key tls.key",
+            ]
+        );
+        let back = tailwarden_crds::load_str("rendered.yaml", &d.config_yaml).unwrap();
+        let limit = back[0].spec.rate_limit.clone().unwrap().redis.unwrap();
+        let auth = limit.auth.unwrap();
+        assert_eq!(auth.username.as_deref(), Some("tw"));
+        assert_eq!(
+            auth.password.file.as_deref(),
+            Some("/var/run/tailwarden/keys/redis/password")
+        );
+        assert!(auth.password.secret_ref.is_none());
+        let tls = limit.tls.unwrap();
+        assert_eq!(
+            tls.ca.unwrap().file.as_deref(),
+            Some("/var/run/tailwarden/keys/redis-ca/ca.crt")
+        );
+        let cert = tls.client_certificate.unwrap();
+        assert_eq!(
+            (
+                cert.cert_file.as_deref(),
+                cert.key_file.as_deref(),
+                cert.secret_name
+            ),
+            (
+                Some("/var/run/tailwarden/keys/redis-client/tls.crt"),
+                Some("/var/run/tailwarden/keys/redis-client/tls.key"),
+                None
+            )
+        );
+        let cache = back[0].spec.cache.exact.redis.clone().unwrap();
+        assert_eq!(
+            cache.auth.unwrap().password.file.as_deref(),
+            Some("/var/run/tailwarden/keys/redis/password")
+        );
+        assert!(!d.config_yaml.contains("secretRef") && !d.config_yaml.contains("secretName"));
+        // The injector mounts the same keys.
+        assert_eq!(secret_refs(&route), d.secret_refs);
     }
 
     #[test]
