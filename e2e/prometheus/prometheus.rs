@@ -157,7 +157,11 @@ const METRICS: &[(&str, &str, &[&str])] = &[
         &["route", "limit", "scope", "status"],
     ),
     ("tailwarden_queue_wait_seconds", "histogram", &["route"]),
-    ("tailwarden_rate_limit_backend_errors_total", "counter", &[]),
+    (
+        "tailwarden_rate_limit_backend_errors_total",
+        "counter",
+        &["reason"],
+    ),
     (
         "tailwarden_cache_requests_total",
         "counter",

@@ -22,7 +22,7 @@ fn settings() -> CacheSettings {
         scope: CacheScope::Tenant,
         deterministic_only: true,
         tenant_header: Some(http::HeaderName::from_static("x-tenant-id")),
-        shared_address: None,
+        shared: None,
     }
 }
 

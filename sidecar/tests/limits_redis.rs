@@ -29,6 +29,7 @@ use tokio::time::Instant;
 fn settings() -> BackendSettings {
     BackendSettings {
         op_timeout: Duration::from_millis(100),
+        connect_timeout: Duration::from_secs(2),
         retry_interval: Duration::from_millis(200),
     }
 }

@@ -110,7 +110,7 @@ fn tier_and_cache_key_cost() {
             scope: CacheScope::Shared,
             deterministic_only: true,
             tenant_header: None,
-            shared_address: None,
+            shared: None,
         },
     );
     let start = Instant::now();

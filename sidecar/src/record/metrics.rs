@@ -128,8 +128,9 @@ pub struct Metrics {
     pub admission_rejected: IntCounterVec,
     pub queue_wait: HistogramVec,
     pub queue_shed: IntCounterVec,
-    pub limit_backend_errors: IntCounter,
-    pub cache_backend_errors: IntCounter,
+    /// By `reason` ([`crate::state::redis::BackendError::reason`]).
+    pub limit_backend_errors: IntCounterVec,
+    pub cache_backend_errors: IntCounterVec,
     /// Access-log lines dropped because stderr did not keep up ([`super::access_log`]).
     pub access_log_dropped: IntCounter,
     pub cache_requests: IntCounterVec,
@@ -164,6 +165,16 @@ fn histogram(
         HistogramOpts::new(name, help).buckets(buckets.to_vec()),
         labels,
     )
+}
+
+/// A shared backend's failure counter by `reason`, every reason exported from the start (at
+/// 0), so alerts and dashboards see the series before the first failure.
+fn backend_errors(name: &str, help: &str) -> prometheus::Result<IntCounterVec> {
+    let vec = IntCounterVec::new(Opts::new(name, help), &["reason"])?;
+    for reason in crate::state::redis::BackendError::REASONS {
+        vec.with_label_values(&[reason]);
+    }
+    Ok(vec)
 }
 
 impl Metrics {
@@ -340,13 +351,13 @@ impl Metrics {
                 &["route"],
                 OVERHEAD_BUCKETS,
             )?,
-            limit_backend_errors: IntCounter::new(
+            limit_backend_errors: backend_errors(
                 "tailwarden_rate_limit_backend_errors_total",
-                "Failed calls to the shared rate-limit backend (Redis); requests then follow rateLimit.redis.failMode.",
+                "Failed calls to the shared rate-limit backend (Redis), by reason; requests then follow rateLimit.redis.failMode.",
             )?,
-            cache_backend_errors: IntCounter::new(
+            cache_backend_errors: backend_errors(
                 "tailwarden_cache_backend_errors_total",
-                "Failed or timed-out calls to the shared cache backend (Redis); lookups then miss.",
+                "Failed or timed-out calls to the shared cache backend (Redis), by reason; lookups then miss.",
             )?,
             access_log_dropped: IntCounter::new(
                 "tailwarden_access_log_dropped_total",

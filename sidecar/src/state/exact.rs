@@ -47,7 +47,7 @@ use tailwarden_decide::{
 use super::{
     Registry,
     fill::{Fill, Sink},
-    redis::{BackendError, BackendSettings, RedisBackend},
+    redis::{BackendError, BackendSettings, RedisBackend, RedisTarget},
     shared::SharedCache,
 };
 use crate::relay::ReplayBody;
@@ -171,8 +171,9 @@ pub struct CacheSettings {
     pub deterministic_only: bool,
     /// Header naming the tenant (the route's `rateLimit.tenantHeader`).
     pub tenant_header: Option<http::HeaderName>,
-    /// `host:port` of the Redis server shared by the route's replicas (`backend: redis`).
-    pub shared_address: Option<String>,
+    /// The Redis server shared by the route's replicas (`backend: redis`), or why its
+    /// address is unusable.
+    pub shared: Option<Result<RedisTarget, BackendError>>,
 }
 
 impl CacheSettings {
@@ -185,8 +186,10 @@ impl CacheSettings {
             deterministic_only: spec.deterministic_only,
             tenant_header: tenant_header
                 .and_then(|h| http::HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).ok()),
-            shared_address: match (spec.backend, &spec.redis) {
-                (tailwarden_crds::Backend::Redis, Some(redis)) => Some(redis.address.clone()),
+            shared: match (spec.backend, &spec.redis) {
+                (tailwarden_crds::Backend::Redis, Some(redis)) => {
+                    Some(RedisTarget::of_cache(redis))
+                }
                 _ => None,
             },
         }
@@ -263,6 +266,11 @@ impl ExactCache {
             c.shared = Some(shared);
         }
         cache
+    }
+
+    /// The replicas' shared store behind this cache, if the route has one.
+    pub fn shared(&self) -> Option<&Arc<SharedCache>> {
+        self.shared.as_ref()
     }
 
     /// On a local miss: the replicas' shared store, if the route has one. A hit there is
@@ -393,9 +401,9 @@ impl ExactCache {
 #[derive(Default)]
 pub struct Caches {
     routes: Registry<String, CacheSettings, Arc<ExactCache>>,
-    /// Redis connections of shared caches, by address.
-    backends: Registry<String, (), Arc<RedisBackend>>,
-    errors_counter: Option<prometheus::IntCounter>,
+    /// Redis connections of shared caches, by server and credentials' sources.
+    backends: Registry<RedisTarget, (), Arc<RedisBackend>>,
+    errors_counter: Option<prometheus::IntCounterVec>,
 }
 
 impl std::fmt::Debug for Caches {
@@ -406,7 +414,7 @@ impl std::fmt::Debug for Caches {
 
 impl Caches {
     /// `errors_counter` counts failed calls to shared-cache backends.
-    pub fn new(errors_counter: Option<prometheus::IntCounter>) -> Self {
+    pub fn new(errors_counter: Option<prometheus::IntCounterVec>) -> Self {
         Self {
             errors_counter,
             ..Self::default()
@@ -429,16 +437,16 @@ impl Caches {
         let settings = CacheSettings::from_spec(spec, tenant_header);
         self.routes
             .get_or_try_build(&key, &settings, || {
-                Ok(match &settings.shared_address {
+                Ok(match &settings.shared {
                     None => ExactCache::new(route, settings.clone()),
-                    Some(address) => {
-                        let backend = self.backends.get_or_try_build(address, &(), || {
-                            RedisBackend::new(
-                                address,
+                    Some(target) => {
+                        let target = target.clone()?;
+                        let backend = self.backends.get_or_try_build(&target, &(), || {
+                            Ok::<_, BackendError>(Arc::new(RedisBackend::with_target(
+                                target.clone(),
                                 BackendSettings::default(),
                                 self.errors_counter.clone(),
-                            )
-                            .map(Arc::new)
+                            )))
                         })?;
                         let shared = Arc::new(SharedCache::new(backend, route));
                         ExactCache::with_shared(route, settings.clone(), shared)

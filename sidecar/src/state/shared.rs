@@ -45,6 +45,11 @@ impl SharedCache {
         }
     }
 
+    /// The Redis connection (its state, its counters).
+    pub fn backend(&self) -> &Arc<RedisBackend> {
+        &self.backend
+    }
+
     fn redis_key(&self, key: &CacheKey) -> String {
         format!("{}{}", self.prefix, key.hex())
     }

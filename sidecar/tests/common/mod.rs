@@ -1,6 +1,8 @@
 //! Test harness: scripted upstream providers and an in-process sidecar, over real loopback HTTP.
 #![allow(dead_code)]
 
+/// The real `redis-server` harness, shared with the e2e tests (plain, or TLS with AUTH).
+#[path = "../../../e2e/tests/common/redis_server.rs"]
 pub mod redis;
 
 use std::{

@@ -49,7 +49,7 @@ use tailwarden_decide::{
 
 use super::{
     Registry,
-    redis::{BackendError, BackendSettings, RedisBackend},
+    redis::{BackendError, BackendSettings, RedisBackend, RedisTarget},
 };
 use gate::{Gate, GatePermit, Refused};
 use shared::{SharedBucket, Source, TakeError};
@@ -438,13 +438,16 @@ impl RouteLimiter {
                     })?;
                 let backend = match options.backend {
                     Some(b) => b,
-                    None => Arc::new(
-                        RedisBackend::new(&redis.address, BackendSettings::default(), None)
-                            .map_err(|source| LimitConfigError::Backend {
+                    None => Arc::new(RedisBackend::with_target(
+                        RedisTarget::of_limit(redis).map_err(|source| {
+                            LimitConfigError::Backend {
                                 route: route.to_owned(),
                                 source,
-                            })?,
-                    ),
+                            }
+                        })?,
+                        BackendSettings::default(),
+                        None,
+                    )),
                 };
                 Some((backend, redis.fail_mode))
             }
@@ -868,13 +871,14 @@ pub async fn admit_with_priority(
 
 /// Route limiters kept across config reloads: a route whose `rateLimit` did not change keeps
 /// its buckets, queues and tenants (a reload must not hand everyone a fresh burst), and Redis
-/// connections are shared by address.
+/// connections are shared by server.
 #[derive(Default)]
 pub struct Limiters {
     routes: Registry<String, RateLimit, Arc<RouteLimiter>>,
-    /// Redis connections, by address.
-    backends: Registry<String, (), Arc<RedisBackend>>,
-    errors_counter: Option<prometheus::IntCounter>,
+    /// Redis connections, by server and credentials' sources (routes that name the same
+    /// server with other credentials get their own connection).
+    backends: Registry<RedisTarget, (), Arc<RedisBackend>>,
+    errors_counter: Option<prometheus::IntCounterVec>,
 }
 
 impl fmt::Debug for Limiters {
@@ -885,7 +889,7 @@ impl fmt::Debug for Limiters {
 
 impl Limiters {
     /// `errors_counter` counts shared-backend failures (all backends).
-    pub fn new(errors_counter: Option<prometheus::IntCounter>) -> Self {
+    pub fn new(errors_counter: Option<prometheus::IntCounterVec>) -> Self {
         Self {
             errors_counter,
             ..Self::default()
@@ -907,19 +911,18 @@ impl Limiters {
             .get_or_try_build(&key, spec, || {
                 let backend = match (&spec.backend, &spec.redis) {
                     (Backend::Redis, Some(redis)) => {
-                        Some(self.backends.get_or_try_build(&redis.address, &(), || {
-                            RedisBackend::new(
-                                &redis.address,
+                        let target = RedisTarget::of_limit(redis).map_err(|source| {
+                            LimitConfigError::Backend {
+                                route: route.to_owned(),
+                                source,
+                            }
+                        })?;
+                        Some(self.backends.get_or_try_build(&target, &(), || {
+                            Ok::<_, LimitConfigError>(Arc::new(RedisBackend::with_target(
+                                target.clone(),
                                 BackendSettings::default(),
                                 self.errors_counter.clone(),
-                            )
-                            .map(Arc::new)
-                            .map_err(|source| {
-                                LimitConfigError::Backend {
-                                    route: route.to_owned(),
-                                    source,
-                                }
-                            })
+                            )))
                         })?)
                     }
                     _ => None,
