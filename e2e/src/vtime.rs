@@ -646,7 +646,7 @@ pub fn run_cell(
     let direct = crate::oracle::direct(&providers, &workload, 60_000.0);
     let sidecar = run(&providers, &workload, &route, opts);
     let invariant =
-        crate::battery::analysis::never_worse(&direct.outcomes, &sidecar.evaluation.outcomes);
+        crate::battery::analysis::never_worse(&direct.outcomes, &sidecar.evaluation.outcomes, 0.0);
     Ok(VirtualCell {
         spec: spec.clone(),
         direct,

@@ -37,7 +37,7 @@ use crate::proc::{ChildProc, ProcError};
 use crate::sidecar::{Sidecar, SidecarError};
 use crate::sim::{FateLedger, Profile, ProfileError, SimError, SimHandle, SimOptions, SimServer};
 
-pub use analysis::{Fidelity, Invariant};
+pub use analysis::{Fidelity, Hop, Invariant};
 pub use render::render_markdown;
 
 /// The committed route template (`e2e/battery/route.yaml`).
@@ -246,8 +246,8 @@ pub enum BatteryError {
         /// Why.
         source: BenchError,
     },
-    /// A work file could not be written.
-    #[error("cannot write {path}: {source}")]
+    /// A work file could not be written or read.
+    #[error("cannot write or read {path}: {source}")]
     Io {
         /// Path.
         path: String,
@@ -304,8 +304,11 @@ pub struct CellResult {
     pub limit: Summary,
     /// The policy that reached it.
     pub limit_policy: Policy,
-    /// The never-worse verdict.
+    /// The never-worse verdict, on what the policy did (`analysis::policy_outcomes`).
     pub invariant: Invariant,
+    /// The hop of the requests the sidecar only relayed: reported, not judged.
+    #[serde(default)]
+    pub hop: Hop,
     /// Share of the possible P99 cut achieved (`None`: nothing to cut).
     pub share_p99: Option<f64>,
     /// The goal (≥ 85 % of the cut at ≤ limit amplification + 0.05); `None`: nothing to cut.
@@ -569,6 +572,16 @@ pub fn oracle_inputs(
     ))
 }
 
+/// What the sidecar side of a cell left behind.
+pub struct SidecarRun<'a> {
+    /// The load generator's report.
+    pub report: &'a Report,
+    /// The sidecar's JSON log (its access log says what the policy did per request).
+    pub log: &'a str,
+    /// Upstream requests per provider of the sidecar's group.
+    pub upstream_requests: Vec<u64>,
+}
+
 /// Judges a cell from its two runs (pure apart from the oracle's search).
 pub fn judge(
     spec: &CellSpec,
@@ -576,9 +589,13 @@ pub fn judge(
     rate: f64,
     client_timeout: Duration,
     direct: &Report,
-    sidecar: &Report,
-    upstream_requests: Vec<u64>,
+    through: SidecarRun<'_>,
 ) -> Result<CellResult, BatteryError> {
+    let SidecarRun {
+        report: sidecar,
+        log: sidecar_log,
+        upstream_requests,
+    } = through;
     let n = usize::try_from(direct.requests.sent.max(sidecar.requests.sent)).unwrap_or(0);
     let d = analysis::outcomes(&direct.records, n);
     let s = analysis::outcomes(&sidecar.records, n);
@@ -596,12 +613,17 @@ pub fn judge(
         .summary()
         .shifted(fidelity.median_excess_ms.unwrap_or(0.0).max(0.0));
     let share = analysis::share_of_cut(direct_summary.p99, sidecar_summary.p99, limit_summary.p99);
-    let invariant = analysis::never_worse(&d, &s);
+    let handled = analysis::handlings(sidecar_log, REQUEST_PREFIX, n);
+    let (policy, hop) = analysis::policy_outcomes(&d, &s, &handled);
+    let mut invariant = analysis::never_worse(&d, &policy, analysis::SOCKET_RANK_SLACK_PERCENT);
+    // What the sidecar added, as measured (hop included), for the table.
+    invariant.median_added_ms = analysis::never_worse(&d, &s, 0.0).median_added_ms;
     Ok(CellResult {
         spec: spec.clone(),
         requests: n as u64,
         goal: analysis::goal_met(share, &invariant, &sidecar_summary, &limit_summary),
         invariant,
+        hop,
         share_p99: share,
         fidelity,
         direct: direct_summary,
@@ -632,13 +654,10 @@ pub fn run_cell(
         &format!("{label}-direct"),
     )?;
     let sidecar_group = start_group(opts, rt, spec.upstream, &names, &format!("{label}-sidecar"))?;
+    let sidecar_log = opts.workdir.join(format!("{label}-sidecar.log"));
     let route_file = opts.workdir.join(format!("{label}-route.yaml"));
     write_file(&route_file, &render_route(spec, &sidecar_group.urls()))?;
-    let mut sidecar = Sidecar::start(
-        &opts.sidecar,
-        &route_file,
-        &opts.workdir.join(format!("{label}-sidecar.log")),
-    )?;
+    let mut sidecar = Sidecar::start(&opts.sidecar, &route_file, &sidecar_log)?;
     let direct_url = direct_group.urls().remove(0);
     direct_group.restart_clock();
     sidecar_group.restart_clock();
@@ -653,7 +672,12 @@ pub fn run_cell(
         )
     });
     let after = sidecar_group.chat_requests();
+    // Stopped (SIGTERM flushes the access log) before its log is read.
     sidecar.stop();
+    let log = std::fs::read_to_string(&sidecar_log).map_err(|source| BatteryError::Io {
+        path: sidecar_log.display().to_string(),
+        source,
+    })?;
     let direct = d.map_err(|source| BatteryError::Bench {
         side: "direct",
         source,
@@ -675,8 +699,11 @@ pub fn run_cell(
         opts.rate,
         opts.client_timeout,
         &direct,
-        &through,
-        upstream,
+        SidecarRun {
+            report: &through,
+            log: &log,
+            upstream_requests: upstream,
+        },
     )
 }
 

@@ -51,7 +51,7 @@ fn share(c: &CellResult) -> String {
 /// One progress line per cell.
 pub(crate) fn cell_line(c: &CellResult) -> String {
     format!(
-        "   P99 {} ms (direct / sidecar / limit), errors {} / {} / {} %, amplification {:.3} / {:.3}, cut {}, median added {} ms, never worse: {}",
+        "   P99 {} ms (direct / sidecar / limit), errors {} / {} / {} %, amplification {:.3} / {:.3}, cut {}, median added {} ms, hop P99 {} ms over {} relayed, never worse: {}",
         triple(c.direct.p99, c.sidecar.p99, c.limit.p99),
         pct(c.direct.error_percent),
         pct(c.sidecar.error_percent),
@@ -60,6 +60,8 @@ pub(crate) fn cell_line(c: &CellResult) -> String {
         c.limit.amplification,
         share(c),
         ms(c.invariant.median_added_ms),
+        ms(c.hop.p99_ms),
+        c.hop.relayed,
         verdict(c)
     )
 }
@@ -69,7 +71,7 @@ pub fn render_markdown(r: &BatteryResult) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "Each cell runs the same open-loop streaming schedule ({} req/s for {} s, requests `r0`, `r1`, …) twice at the same time: straight at the topology's first provider (one attempt, {} s client timeout) and through tailwarden-sidecar (`e2e/battery/route.yaml`), against two identical upstream groups with keyed fates (seed {}), so the sidecar's first attempt of every request meets the fate its direct call met. *Limit* is the oracle (`e2e/src/oracle.rs`) on the very same fates: the best online policy with hindsight about hedge delays and provider health, within the route's limits (3 attempts, hedges ≤ 15 % of requests, Retry-After ≤ 2 s, 30 s deadline), plus the median that the cell's direct requests took over their fates (loopback, timers, load generator). Latencies are of successful requests, ms, direct / sidecar / limit. *Cut* = (direct − sidecar) / (direct − limit) on P99; goal ≥ {:.0} % at ≤ the limit's amplification + {GOAL_AMPLIFICATION_SLACK}. *Median added*: the sidecar's latency minus direct's for the same request, over requests both answered. *Never worse*: on the answered-within-x curve (a failure counts as slower than any answer) every percentile P50…P99.9 through the sidecar ≤ direct + {TOLERANCE_MS} ms, and errors ≤ direct's.",
+        "Each cell runs the same open-loop streaming schedule ({} req/s for {} s, requests `r0`, `r1`, …) twice at the same time: straight at the topology's first provider (one attempt, {} s client timeout) and through tailwarden-sidecar (`e2e/battery/route.yaml`), against two identical upstream groups with keyed fates (seed {}), so the sidecar's first attempt of every request meets the fate its direct call met. *Limit* is the oracle (`e2e/src/oracle.rs`) on the very same fates: the best online policy with hindsight about hedge delays and provider health, within the route's limits (3 attempts, hedges ≤ 15 % of requests, Retry-After ≤ 2 s, 30 s deadline), plus the median that the cell's direct requests took over their fates (loopback, timers, load generator). Latencies are of successful requests, ms, direct / sidecar / limit. *Cut* = (direct − sidecar) / (direct − limit) on P99; goal ≥ {:.0} % at ≤ the limit's amplification + {GOAL_AMPLIFICATION_SLACK}. *Median added*: the sidecar's latency minus direct's for the same request, over requests both answered; *hop P99*: the same difference at P99 over the requests the sidecar only relayed (one attempt, no hedge, started at once) — loopback and scheduling on shared cores, the proxy's cost that `make bench` measures. *Never worse* judges what the policy did: on the answered-within-x curve (a failure counts as slower than any answer) every percentile P50…P99.9 through the sidecar ≤ direct + {TOLERANCE_MS} ms, and errors ≤ direct's, where a request the sidecar only relayed met direct's fate and counts as direct's outcome, and every request the policy acted on counts as measured (`e2e/src/battery/analysis.rs`).",
         r.rate,
         r.duration_s,
         60,
@@ -79,13 +81,13 @@ pub fn render_markdown(r: &BatteryResult) -> String {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "| profile | topology | upstream | P50 | P99 | P99.9 | errors % | amplification (sidecar / limit) | cut | median added ms | never worse |"
+        "| profile | topology | upstream | P50 | P99 | P99.9 | errors % | amplification (sidecar / limit) | cut | median added ms (hop P99) | never worse |"
     );
     let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|");
     for c in &r.cells {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.3} / {:.3} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.3} / {:.3} | {} | {} ({}) | {} |",
             c.spec.profile,
             c.spec.topology.name(),
             c.spec.upstream.name(),
@@ -99,6 +101,7 @@ pub fn render_markdown(r: &BatteryResult) -> String {
             c.limit.amplification,
             share(c),
             ms(c.invariant.median_added_ms),
+            ms(c.hop.p99_ms),
             verdict(c),
         );
     }
