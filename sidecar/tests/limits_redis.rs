@@ -286,3 +286,68 @@ async fn redis_killed_fail_closed_rejects_with_503_once_leases_are_spent_then_re
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A take that Redis answers only after the request gave up waiting (the server holds
+/// every command past the operation timeout): the request follows the fail mode, but the
+/// tokens Redis granted are not lost to the limit — they land in the replica's lease, and
+/// the next request is served from it without asking Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_answered_after_the_request_gave_up_keeps_its_tokens_in_the_lease() {
+    let redis = RedisServer::start();
+    // 60 000 tokens/min: a request of 1 000 on an empty lease takes 1 000 plus up to a
+    // lease (3 000).
+    let spec = json!({"tokensPerMinute": 60_000, "backend": "redis",
+                      "redis": {"address": redis.address(), "failMode": "closed"}});
+    let (a, backend) = replica(&spec);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !backend.is_connected() {
+        assert!(Instant::now() < deadline, "{:?}", backend.last_failure());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Redis holds every client's commands for 700 ms; the request waits 100 ms.
+    let paused = Instant::now();
+    let ok = tokio::task::block_in_place(|| redis.cli(&["CLIENT", "PAUSE", "700", "ALL"]));
+    assert_eq!(ok.as_deref().map(str::trim), Some("OK"));
+    let refused = admit(&a, None, 1_000).await;
+    let waited = paused.elapsed();
+    assert!(
+        matches!(refused, Err(Rejection::BackendDown { .. })),
+        "a take not answered within the operation timeout fails closed: {refused:?}"
+    );
+    assert!(
+        waited < Duration::from_millis(600),
+        "the request waited {waited:?}, not the operation timeout"
+    );
+    assert_eq!(backend.backend_errors(), 1, "the timeout is counted once");
+    let trips = backend.round_trips();
+    // The pause ends; Redis runs the take and its answer arrives after the request left.
+    // Calls no longer fail fast once that answer is in (before retry_interval is over).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while backend.is_down() || paused.elapsed() < Duration::from_millis(700) {
+        assert!(Instant::now() < deadline, "the late answer never came");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let t =
+        tokio::task::block_in_place(|| redis.cli(&["HGET", "tailwarden:rl:shop/chat:tpm", "t"]));
+    let left: f64 = t
+        .as_deref()
+        .map(str::trim)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("the shared bucket: {t:?}"));
+    assert!(
+        left <= 60_000.0 - 1_000.0,
+        "Redis granted the late take: {left} tokens left"
+    );
+    let admitted = admit(&a, None, 1_000).await;
+    assert!(
+        admitted.is_ok(),
+        "the late grant serves the next request: {:?}",
+        admitted.err()
+    );
+    assert_eq!(
+        backend.round_trips(),
+        trips,
+        "the next request was served from the lease the late answer filled, without a call"
+    );
+    assert_eq!(backend.backend_errors(), 1);
+}

@@ -121,7 +121,10 @@ fn bucket(key: &str) -> BucketSpec {
 
 /// The first call: it waits for the set-up the backend started when built.
 async fn first_failure(backend: &RedisBackend) -> BackendError {
-    backend.take(&bucket("x"), 10, 100).await.unwrap_err()
+    backend
+        .take(&bucket("x"), 10, 100, |_| {})
+        .await
+        .unwrap_err()
 }
 
 fn count_of(logs: &str, needle: &str) -> usize {
@@ -143,19 +146,19 @@ async fn over_tls_with_a_password_and_a_client_certificate_buckets_work() {
     assert!(backend.target().is_tls());
 
     let b = bucket("tls");
-    let grant = backend.take(&b, 100, 1_000).await.unwrap();
+    let grant = backend.take(&b, 100, 1_000, |_| {}).await.unwrap();
     assert!(
         (100..=1_000).contains(&grant.granted),
         "{grant:?}: a full bucket grants a lease"
     );
     backend.give(&b, grant.granted).await.unwrap();
-    let again = backend.take(&b, 100, 1_000).await.unwrap();
+    let again = backend.take(&b, 100, 1_000, |_| {}).await.unwrap();
     assert!(again.granted >= 100, "{again:?}");
     assert!(backend.is_connected());
     assert_eq!(backend.backend_errors(), 0);
     // Shared state really is on the server: another replica's connection sees the bucket.
     let other = RedisBackend::with_target(target(&spec), settings(), None);
-    let seen = other.take(&b, 1, 1).await.unwrap();
+    let seen = other.take(&b, 1, 1, |_| {}).await.unwrap();
     assert!(seen.remaining < 60_000, "{seen:?}");
     // And the cache's commands, over the same kind of connection.
     backend
@@ -258,7 +261,7 @@ async fn an_untrusted_ca_fails_the_handshake_with_one_clear_error() {
         settings(),
         None,
     );
-    good.take(&bucket("trusted"), 1, 1).await.unwrap();
+    good.take(&bucket("trusted"), 1, 1, |_| {}).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,7 +286,7 @@ async fn the_certificate_must_carry_the_name_unless_server_name_names_one_it_car
     // The certificate is for localhost (and 127.0.0.1).
     spec["tls"]["serverName"] = json!("localhost");
     let named = RedisBackend::with_target(target(&spec), settings(), None);
-    named.take(&bucket("named"), 1, 1).await.unwrap();
+    named.take(&bucket("named"), 1, 1, |_| {}).await.unwrap();
     assert_never_shown(&[PASSWORD], &[]);
 }
 
@@ -366,13 +369,13 @@ async fn over_tls_the_connection_comes_back_after_a_restart_and_reads_a_rotated_
     let spec = secure_spec(&server, &password, &s.ca);
     let backend = RedisBackend::with_target(target(&spec), settings(), None);
     let b = bucket("restart");
-    backend.take(&b, 1, 1).await.unwrap();
+    backend.take(&b, 1, 1, |_| {}).await.unwrap();
     server.kill();
-    assert!(backend.take(&b, 1, 1).await.is_err());
+    assert!(backend.take(&b, 1, 1, |_| {}).await.is_err());
     assert!(backend.is_down());
     server.restart();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while backend.take(&b, 1, 1).await.is_err() {
+    while backend.take(&b, 1, 1, |_| {}).await.is_err() {
         assert!(
             Instant::now() < deadline,
             "no recovery after Redis came back"
@@ -391,7 +394,7 @@ async fn over_tls_the_connection_comes_back_after_a_restart_and_reads_a_rotated_
         {
             break;
         }
-        let _ = backend.take(&b, 1, 1).await;
+        let _ = backend.take(&b, 1, 1, |_| {}).await;
         assert!(
             Instant::now() < deadline,
             "the rotated password was not used"

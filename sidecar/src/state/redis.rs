@@ -31,7 +31,13 @@
 //! `op_timeout` and gives up without taking the slow set-up for an outage, while background
 //! calls (cache stores, returned tokens) wait for it, so that a replica's first store is not
 //! lost because its connection was still being set up. Only a failed or timed-out set-up
-//! marks the backend down. A backend starts connecting when it is built, so the first
+//! marks the backend down.
+//!
+//! **Slow answers.** A request waits for a `take` at most `op_timeout`; the call itself is
+//! not dropped then (Redis may still run it, and the tokens it grants would be lost to
+//! every replica): its answer, when it comes, goes to the lease it was for. Calls made in
+//! the background wait for their answer up to `connect_timeout`, for the same reason — a
+//! `give` abandoned after Redis ran it would have the tokens counted twice. A backend starts connecting when it is built, so the first
 //! request does not pay for the set-up and a wrong password or an untrusted certificate is
 //! reported at start.
 //!
@@ -615,9 +621,12 @@ pub struct BucketSpec {
 /// Tuning of the client (tests shorten the intervals).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackendSettings {
-    /// Bound on one command, and on how long a request waits for a connection being set up.
+    /// Bound on how long a request waits for a command's answer, and for a connection
+    /// being set up.
     pub op_timeout: Duration,
-    /// Bound on connection set-up (TCP, TLS, AUTH).
+    /// Bound on connection set-up (TCP, TLS, AUTH), and on the answer to a call made in
+    /// the background (stores, returned tokens, lease refills, a take a request gave up
+    /// waiting for).
     pub connect_timeout: Duration,
     pub retry_interval: Duration,
 }
@@ -673,6 +682,13 @@ impl Inner {
     /// the failure is logged unless it is the one logged last.
     fn failed(&self, link: &mut Link, e: &BackendError) {
         link.conn = None;
+        self.down(link, e);
+    }
+
+    /// Calls fail fast for `retry_interval` (the connection is kept: a call still waiting
+    /// on it says whether it works), and the failure is logged unless it is the one logged
+    /// last.
+    fn down(&self, link: &mut Link, e: &BackendError) {
         link.down_until = Some(Instant::now() + self.settings.retry_interval);
         let text = e.to_string();
         if link.logged.as_deref() != Some(text.as_str()) {
@@ -684,6 +700,9 @@ impl Inner {
 
     fn succeeded(&self) {
         if self.failing.swap(false, Ordering::Relaxed) {
+            // Calls are refused while down, so an answer now is one to a call sent before:
+            // the server answers again, and calls need not keep failing fast.
+            self.link().down_until = None;
             self.link().logged = None;
             tracing::info!(address = %self.target.address, "Redis backend reachable again");
         }
@@ -863,14 +882,14 @@ impl RedisBackend {
         }
     }
 
-    /// Runs one command with the operation timeout; failures mark the backend down.
-    /// `patience`: how long to wait for a connection being set up.
+    /// Runs one command within `bound`; failures mark the backend down. `patience`: how
+    /// long to wait for a connection being set up.
     async fn run<T: redis::FromRedisValue>(
         &self,
         cmd: CommandKind<'_>,
         patience: Duration,
+        bound: Duration,
     ) -> Result<T, BackendError> {
-        let op_timeout = self.inner.settings.op_timeout;
         let result = async {
             let mut conn = self.connection(patience).await?;
             self.calls.fetch_add(1, Ordering::Relaxed);
@@ -880,21 +899,12 @@ impl RedisBackend {
                     CommandKind::Cmd(cmd) => cmd.query_async(&mut conn).await,
                 }
             };
-            match tokio::time::timeout(op_timeout, call).await {
+            match tokio::time::timeout(bound, call).await {
                 Err(_) => Err(BackendError::Timeout {
                     address: self.address().to_owned(),
-                    timeout: op_timeout,
+                    timeout: bound,
                 }),
-                Ok(Err(e)) => Err(match auth_error(&e) {
-                    Some(reason) => BackendError::Auth {
-                        address: self.address().to_owned(),
-                        reason,
-                    },
-                    None => BackendError::Command {
-                        address: self.address().to_owned(),
-                        reason: e.to_string(),
-                    },
-                }),
+                Ok(Err(e)) => Err(command_error(self.address(), &e)),
                 Ok(Ok(v)) => Ok(v),
             }
         }
@@ -916,6 +926,7 @@ impl RedisBackend {
             .run(
                 CommandKind::Script(&invocation),
                 self.inner.settings.op_timeout,
+                self.inner.settings.op_timeout,
             )
             .await?;
         Ok(value.map(|v| (v, Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(0)))))
@@ -935,17 +946,22 @@ impl RedisBackend {
             .arg("PX")
             .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
         let _: () = self
-            .run(CommandKind::Cmd(&cmd), self.inner.settings.connect_timeout)
+            .run(
+                CommandKind::Cmd(&cmd),
+                self.inner.settings.connect_timeout,
+                self.inner.settings.connect_timeout,
+            )
             .await?;
         Ok(())
     }
 
+    /// A script call on a bucket in the background: waits for a connection being set up,
+    /// and for the answer, up to `connect_timeout`.
     async fn invoke<T: redis::FromRedisValue>(
         &self,
         script: &Script,
         bucket: &BucketSpec,
         args: &[u64],
-        patience: Duration,
     ) -> Result<T, BackendError> {
         let mut invocation = script.key(&bucket.key);
         invocation
@@ -954,44 +970,162 @@ impl RedisBackend {
         for a in args {
             invocation.arg(*a);
         }
-        self.run(CommandKind::Script(&invocation), patience).await
+        let bound = self.inner.settings.connect_timeout;
+        self.run(CommandKind::Script(&invocation), bound, bound)
+            .await
     }
 
     /// Takes between `min` and `max` tokens from the shared bucket (see the module doc). On
-    /// a request's path: waits for a connection being set up at most the operation timeout.
-    pub async fn take(
+    /// a request's path: waits for a connection being set up, and for the answer, at most
+    /// the operation timeout. A call not answered by then is not abandoned: it goes on in
+    /// the background (up to `connect_timeout`), because Redis may still run it, and tokens
+    /// it grants are gone from the shared bucket for every replica — dropping that answer
+    /// would lose them. `late` gets them instead (the caller's lease keeps them). Giving up
+    /// counts as a `timeout` and makes calls fail fast for `retry_interval`, or until that
+    /// answer comes; the connection is kept while the call waits on it.
+    pub async fn take<F>(
+        &self,
+        bucket: &BucketSpec,
+        min: u64,
+        max: u64,
+        late: F,
+    ) -> Result<Grant, BackendError>
+    where
+        F: FnOnce(Grant) + Send + 'static,
+    {
+        let settings = self.inner.settings;
+        let mut conn = self
+            .connection(settings.op_timeout)
+            .await
+            .map_err(|e| self.fail(e))?;
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let (script, bucket) = (self.take.clone(), bucket.clone());
+        let (address, inner) = (self.address().to_owned(), self.inner.clone());
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let result = take_on(
+                &mut conn,
+                &script,
+                &bucket,
+                [min, max.max(min)],
+                settings.connect_timeout,
+                &address,
+            )
+            .await;
+            // The caller gave up waiting: the answer is a late one.
+            if let Err(unwaited) = tx.send(result) {
+                match unwaited {
+                    Ok(grant) => {
+                        inner.succeeded();
+                        late(grant);
+                    }
+                    Err(e) => {
+                        inner.count_error(&e);
+                        inner.failed(&mut inner.link(), &e);
+                    }
+                }
+            }
+        });
+        let answer = match tokio::time::timeout(settings.op_timeout, &mut rx).await {
+            Ok(answer) => answer.ok(),
+            Err(_) => {
+                // An answer sent between the timer and here is still this caller's.
+                rx.close();
+                match rx.try_recv() {
+                    Ok(result) => Some(result),
+                    Err(_) => {
+                        let e = BackendError::Timeout {
+                            address: self.address().to_owned(),
+                            timeout: settings.op_timeout,
+                        };
+                        self.inner.count_error(&e);
+                        self.inner.down(&mut self.inner.link(), &e);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        match answer {
+            Some(Ok(grant)) => {
+                self.inner.succeeded();
+                Ok(grant)
+            }
+            Some(Err(e)) => Err(self.fail(e)),
+            None => Err(self.fail(BackendError::Command {
+                address: self.address().to_owned(),
+                reason: "the call ended without an answer".to_owned(),
+            })),
+        }
+    }
+
+    /// [`Self::take`] in the background (refilling a lease): waits for a connection being
+    /// set up, and for the answer, up to `connect_timeout`.
+    pub async fn take_in_background(
         &self,
         bucket: &BucketSpec,
         min: u64,
         max: u64,
     ) -> Result<Grant, BackendError> {
-        let (granted, wait_us, remaining): (i64, i64, i64) = self
-            .invoke(
-                &self.take,
-                bucket,
-                &[min, max.max(min)],
-                self.inner.settings.op_timeout,
-            )
+        let answer = self
+            .invoke(&self.take, bucket, &[min, max.max(min)])
             .await?;
-        Ok(Grant {
-            granted: u64::try_from(granted).unwrap_or(0),
-            retry_after: Duration::from_micros(u64::try_from(wait_us).unwrap_or(0)),
-            remaining: u64::try_from(remaining).unwrap_or(0),
-        })
+        Ok(grant_of(answer))
     }
 
     /// Returns `n` unused tokens to the shared bucket. In the background: waits for a
-    /// connection being set up.
+    /// connection being set up, and for the answer, up to `connect_timeout` (an answer
+    /// given up on after Redis did take the tokens back would count them twice).
     pub async fn give(&self, bucket: &BucketSpec, n: u64) -> Result<(), BackendError> {
-        let _: i64 = self
-            .invoke(
-                &self.give,
-                bucket,
-                &[n],
-                self.inner.settings.connect_timeout,
-            )
-            .await?;
+        let _: i64 = self.invoke(&self.give, bucket, &[n]).await?;
         Ok(())
+    }
+}
+
+/// One `take` script call on `conn`, within `bound`.
+async fn take_on(
+    conn: &mut MultiplexedConnection,
+    script: &Script,
+    bucket: &BucketSpec,
+    [min, max]: [u64; 2],
+    bound: Duration,
+    address: &str,
+) -> Result<Grant, BackendError> {
+    let mut invocation = script.key(&bucket.key);
+    invocation
+        .arg(bucket.amount)
+        .arg(u64::try_from(bucket.period.as_micros()).unwrap_or(u64::MAX))
+        .arg(min)
+        .arg(max);
+    match tokio::time::timeout(bound, invocation.invoke_async(conn)).await {
+        Err(_) => Err(BackendError::Timeout {
+            address: address.to_owned(),
+            timeout: bound,
+        }),
+        Ok(Err(e)) => Err(command_error(address, &e)),
+        Ok(Ok(answer)) => Ok(grant_of(answer)),
+    }
+}
+
+/// The `take` script's answer: granted, wait in µs, remaining.
+fn grant_of((granted, wait_us, remaining): (i64, i64, i64)) -> Grant {
+    Grant {
+        granted: u64::try_from(granted).unwrap_or(0),
+        retry_after: Duration::from_micros(u64::try_from(wait_us).unwrap_or(0)),
+        remaining: u64::try_from(remaining).unwrap_or(0),
+    }
+}
+
+/// A command's error: an AUTH or ACL refusal, or any other failure.
+fn command_error(address: &str, e: &redis::RedisError) -> BackendError {
+    match auth_error(e) {
+        Some(reason) => BackendError::Auth {
+            address: address.to_owned(),
+            reason,
+        },
+        None => BackendError::Command {
+            address: address.to_owned(),
+            reason: e.to_string(),
+        },
     }
 }
 

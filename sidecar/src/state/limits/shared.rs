@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 use tailwarden_decide::bucket::Bucket;
 
-use crate::state::redis::{BucketSpec, RedisBackend};
+use crate::state::redis::{BucketSpec, Grant, RedisBackend};
 
 /// Share of a period's amount a replica leases at most at once. At 1/20, two replicas
 /// strand at most 10 % of a period's tokens while the bucket is full, and much less near
@@ -136,7 +136,19 @@ impl SharedBucket {
             None => u64::try_from(n_signed - self.lock().pool).unwrap_or(u64::MAX),
         };
         let max = need.saturating_add(self.lease_target);
-        match self.backend.take(&self.spec, need, max).await {
+        // An answer that comes after this request gave up: Redis took those tokens for this
+        // replica, so the lease keeps them.
+        let me = Arc::downgrade(self);
+        let late = move |grant: Grant| {
+            if let Some(me) = me.upgrade() {
+                let mut lease = me.lock();
+                lease.last_remaining = grant.remaining;
+                lease.pool = lease
+                    .pool
+                    .saturating_add(i64::try_from(grant.granted).unwrap_or(0));
+            }
+        };
+        match self.backend.take(&self.spec, need, max, late).await {
             Ok(grant) => {
                 let mut lease = self.lock();
                 lease.last_remaining = grant.remaining;
@@ -205,7 +217,7 @@ impl SharedBucket {
             // min 1: take something if anything is there; max: back to the target.
             let result = me
                 .backend
-                .take(&me.spec, deficit.max(1), deficit + me.lease_target)
+                .take_in_background(&me.spec, deficit.max(1), deficit + me.lease_target)
                 .await;
             let mut lease = me.lock();
             lease.refilling = false;
