@@ -1096,6 +1096,36 @@ pub struct Streaming {
     /// ask for it. Default true.
     #[serde(default = "defaults::yes")]
     pub include_usage: bool,
+    /// Serve a chat stream request from a plain (non-stream) call when the provider's
+    /// streams keep failing before their first content, replayed to the client as a
+    /// well-formed event stream (`x-tailwarden-stream-fallback: non-stream`). Only before
+    /// any byte reached the client. Unset: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<StreamFallback>,
+}
+
+/// Stream-to-non-stream fallback, learned per provider.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("self.afterFailures >= 1 && self.afterFailures <= 100").message("afterFailures must be between 1 and 100").field_path(".afterFailures"),
+    validation = Rule::new("duration(self.probeAfter) >= duration('1s') && duration(self.probeAfter) <= duration('1h')").message("probeAfter must be between 1s and 1h").field_path(".probeAfter")
+)]
+pub struct StreamFallback {
+    /// Use the fallback. Default true (set `false` to keep the block but switch it off).
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// A provider's stream attempts that failed in a row before their first content (an
+    /// error event first, a reset or end before any event, no first event before the
+    /// first-byte deadline once headers came) after which its stream requests are sent as
+    /// plain requests. Default 3.
+    #[serde(default = "defaults::fallback_after_failures")]
+    pub after_failures: u32,
+    /// How long a provider stays on plain requests before one stream attempt probes it
+    /// again; a probe that reaches its first content ends the fallback, a failed one starts
+    /// the wait anew. Default `30s`.
+    #[serde(default = "defaults::fallback_probe_after")]
+    pub probe_after: DurationString,
 }
 
 /// Limits on client input.
@@ -1149,6 +1179,7 @@ default_from_serde!(
     ExactCache,
     SemanticCache,
     Streaming,
+    StreamFallback,
     Limits
 );
 
@@ -1236,6 +1267,12 @@ mod defaults {
     }
     pub fn half_open_probes() -> u32 {
         3
+    }
+    pub fn fallback_after_failures() -> u32 {
+        3
+    }
+    pub fn fallback_probe_after() -> DurationString {
+        DurationString::lit("30s")
     }
     pub fn default_priority() -> u8 {
         5

@@ -873,6 +873,30 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             "spec.streaming.heartbeatInterval",
             "heartbeatInterval must be at least 1s",
         ),
+        (
+            "stream fallback after no failures",
+            |d| {
+                set(
+                    d,
+                    "/spec/streaming",
+                    json!({"fallback": {"afterFailures": 0}}),
+                )
+            },
+            "spec.streaming.fallback.afterFailures",
+            "afterFailures must be between 1 and 100",
+        ),
+        (
+            "stream fallback probing too often",
+            |d| {
+                set(
+                    d,
+                    "/spec/streaming",
+                    json!({"fallback": {"probeAfter": "10ms"}}),
+                )
+            },
+            "spec.streaming.fallback.probeAfter",
+            "probeAfter must be between 1s and 1h",
+        ),
     ];
     assert!(cases.len() >= 25);
     let mut failures = Vec::new();

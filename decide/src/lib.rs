@@ -27,6 +27,7 @@
 //! | [`retry`] | which failures are retried, backoff, `Retry-After`, retry budgets |
 //! | [`hedge`] | the hedge delay, its budget, and the TTFT quantiles it learns from |
 //! | [`sse`] | what a stream says as it passes (TTFT, usage, errors, `[DONE]`), the commit rule |
+//! | [`stream_fallback`] | when a provider's failing streams are served by plain calls, and that answer as a stream |
 //! | [`responses`] | the Responses API's events: content, terminal events, usage, ids, error events |
 //! | [`usage`] | tokens and cost of a response |
 
@@ -47,5 +48,6 @@ pub mod route;
 pub mod schedule;
 pub mod semantic;
 pub mod sse;
+pub mod stream_fallback;
 pub mod tiers;
 pub mod usage;

@@ -47,6 +47,18 @@ spec:
   - {name: sim, baseUrl: "http://$sim/v1", auth: {env: TAILWARDEN_SDK_CANARY_KEY}}
   retries: {maxAttempts: 1}
   circuitBreaker: {enabled: false}
+---
+apiVersion: tailwarden.io/v1alpha1
+kind: InferenceRoute
+metadata: {name: fallback, namespace: sdk}
+spec:
+  models: [sdk-fallback]
+  providers:
+  - {name: sim, baseUrl: "http://$sim/v1", auth: {env: TAILWARDEN_SDK_CANARY_KEY}}
+  retries: {maxAttempts: 2}
+  circuitBreaker: {enabled: false}
+  streaming:
+    fallback: {afterFailures: 1, probeAfter: 1h}
 YAML
 
 TAILWARDEN_SDK_CANARY_KEY=$canary TAILWARDEN_LOG=debug "$bin/tailwarden-sidecar" \

@@ -1,7 +1,9 @@
 """The real OpenAI Python SDK against tailwarden-sidecar, configured only by its base URL.
 
 Run by e2e/sdk/run.sh, which starts tailwarden-sim and tailwarden-sidecar and exports
-OPENAI_BASE_URL. Model `sdk-chat` retries; model `sdk-errors` passes provider errors through. Files,
+OPENAI_BASE_URL. Model `sdk-chat` retries; model `sdk-errors` passes provider errors through;
+model `sdk-fallback` serves streams from plain calls once the provider's streams fail
+(`streaming.fallback`). Files,
 moderations and response retrieval go through the sidecar's pass-through to the simulator.
 """
 
@@ -52,6 +54,48 @@ def test_streaming_usage_when_the_client_asks(client):
     usages = [c.usage for c in stream if c.usage is not None]
     assert len(usages) == 1
     assert usages[0].completion_tokens > 0
+
+
+# The simulator fails these streams before their first content (an error event first) and
+# answers plain requests normally: the sidecar serves the stream from a plain call.
+BROKEN_STREAMS = {"x-sim-fault": "stream-fail-before-content", "x-sim-tokens": "5"}
+
+
+def test_stream_served_from_a_plain_call_is_well_formed_sse(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="sdk-fallback",
+        messages=[{"role": "user", "content": "hello"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=BROKEN_STREAMS,
+    )
+    assert raw.headers["x-tailwarden-stream-fallback"] == "non-stream"
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    chunks = list(raw.parse())
+    assert chunks, "the SDK parsed chunks"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert len(text.split()) == 5, text
+    assert finishes == ["stop"]
+    # The usage chunk the client asked for comes last, with no choices.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_helper_accumulates_a_replayed_stream(client):
+    with client.chat.completions.stream(
+        model="sdk-fallback",
+        messages=[{"role": "user", "content": "hello"}],
+        extra_headers=BROKEN_STREAMS,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == "".join(deltas)
+    assert len(final.choices[0].message.content.split()) == 5
+    assert final.choices[0].finish_reason == "stop"
 
 
 def test_raw_response_carries_tailwarden_headers(client):

@@ -408,9 +408,11 @@ impl World<'_> {
             },
             // A stream that fails before content is retried like a 5xx (never drawn from a
             // profile; only forced).
-            Fault::Status500 | Fault::Status503 | Fault::Reset | Fault::FailBeforeContent => {
-                Attempt::FastFail { wait_ms: None }
-            }
+            Fault::Status500
+            | Fault::Status503
+            | Fault::Reset
+            | Fault::FailBeforeContent
+            | Fault::StreamFailBeforeContent => Attempt::FastFail { wait_ms: None },
         }
     }
 }

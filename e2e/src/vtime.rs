@@ -473,7 +473,7 @@ impl World<'_> {
             Fault::Reset => fail(FailureKind::Reset),
             // Only ever forced, never drawn from a profile: a failure before content, which
             // the sidecar sees as a bad stream start (retryable like a reset).
-            Fault::FailBeforeContent => fail(FailureKind::Reset),
+            Fault::FailBeforeContent | Fault::StreamFailBeforeContent => fail(FailureKind::Reset),
         }
     }
 

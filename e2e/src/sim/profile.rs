@@ -657,6 +657,9 @@ pub enum Fault {
     /// error chunk; a Responses stream sends `response.created` and `response.in_progress`,
     /// then `response.failed`. Non-stream requests get a 500.
     FailBeforeContent,
+    /// Streams fail as with [`Fault::FailBeforeContent`], but non-stream requests are
+    /// answered normally: a provider whose streaming alone is broken.
+    StreamFailBeforeContent,
 }
 
 impl Fault {
@@ -671,6 +674,7 @@ impl Fault {
             "drop" => Self::Drop,
             "stall" => Self::Stall,
             "fail-before-content" => Self::FailBeforeContent,
+            "stream-fail-before-content" => Self::StreamFailBeforeContent,
             _ => return None,
         })
     }

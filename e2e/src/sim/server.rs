@@ -86,6 +86,7 @@ fn fault_code(fault: Option<Fault>) -> u8 {
         Some(Fault::Drop) => 6,
         Some(Fault::Stall) => 7,
         Some(Fault::FailBeforeContent) => 8,
+        Some(Fault::StreamFailBeforeContent) => 9,
     }
 }
 
@@ -99,6 +100,7 @@ fn fault_from_code(code: u8) -> Option<Fault> {
         6 => Fault::Drop,
         7 => Fault::Stall,
         8 => Fault::FailBeforeContent,
+        9 => Fault::StreamFailBeforeContent,
         _ => return None,
     })
 }
@@ -666,7 +668,7 @@ impl Overrides {
                     .ok()
                     .and_then(Fault::from_header)
                     .ok_or_else(|| {
-                        "invalid x-sim-fault header: expected none|500|503|429|reset|drop|stall"
+                        "invalid x-sim-fault header: expected none|500|503|429|reset|drop|stall|fail-before-content|stream-fail-before-content"
                             .to_owned()
                     })?,
             ),
@@ -817,7 +819,11 @@ fn fault_response(
             guard.finish(Some(Outcome::FaultReset));
             Some(Err(ResetConnection))
         }
-        Fault::None | Fault::Drop | Fault::Stall | Fault::FailBeforeContent => None,
+        Fault::None
+        | Fault::Drop
+        | Fault::Stall
+        | Fault::FailBeforeContent
+        | Fault::StreamFailBeforeContent => None,
     }
 }
 
@@ -1036,7 +1042,10 @@ async fn generate(
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
         let mut renderer = StreamRenderer::new(api, &id, created, &model_json, include_usage);
-        if fault == Fault::FailBeforeContent {
+        if matches!(
+            fault,
+            Fault::FailBeforeContent | Fault::StreamFailBeforeContent
+        ) {
             state.stats.record_outcome(Outcome::Fault500);
             guard.finish(None);
             let mut out = bytes::BytesMut::new();
@@ -1288,6 +1297,8 @@ mod tests {
             Some(Fault::Reset),
             Some(Fault::Drop),
             Some(Fault::Stall),
+            Some(Fault::FailBeforeContent),
+            Some(Fault::StreamFailBeforeContent),
         ];
         for f in all {
             assert_eq!(fault_from_code(fault_code(f)), f);

@@ -12,6 +12,7 @@
 //! calls alike; [`verdict`] reports outcomes to the provider's breaker.
 
 pub mod embed;
+mod fallback;
 pub mod upstream;
 pub mod verdict;
 
@@ -32,6 +33,7 @@ use tailwarden_decide::{
     route::{Fleet, RouteProviders, learn},
     schedule::{self, Action, CooldownSettings, GiveUp, Retry, Scheduler},
     sse::{SseEvent, SseForwarder},
+    stream_fallback::{self, FallbackSettings},
     usage::Usage,
 };
 use tokio::time::Instant;
@@ -59,6 +61,8 @@ pub(crate) struct Call<'a> {
     pub model: &'a str,
     /// The sidecar asks for the stream's usage chunk (and strips it).
     pub strip_usage: bool,
+    /// `streaming.fallback`, when the route opts in and the request is a chat stream.
+    pub fallback: Option<FallbackSettings>,
 }
 
 /// The attempt that won.
@@ -79,6 +83,8 @@ pub struct Won {
     pub committed_at: Instant,
     /// The CLIENT span of the winning attempt (none when tracing is off).
     pub span: Span,
+    /// A stream request answered by a plain call: `held` is the replayed event stream.
+    pub stream_fallback: bool,
 }
 
 /// The request failed: the response to send.
@@ -178,6 +184,10 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
         body,
         model,
         strip_usage: ex.strips_usage(body),
+        fallback: route
+            .settings
+            .stream_fallback
+            .filter(|_| stream_fallback::applies(ex.endpoint, ex.stream)),
     };
     let metrics = &ex.app.metrics;
     let dispatched = Instant::now();
@@ -256,6 +266,12 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                         // cuts its streams opens its breaker; half-open probes too (a probe
                         // judged at its first event would close the breaker of a provider
                         // that still cuts every stream, and it would flap).
+                        if started.forwarder.is_some() {
+                            fallback::stream_started(call, idx);
+                        }
+                        if started.stream_fallback {
+                            fallback::served(call, idx);
+                        }
                         let verdict = if started.forwarder.is_some() && started.rest.is_some() {
                             record_first_byte(call, idx, elapsed);
                             Some(StreamVerdict {
@@ -299,11 +315,15 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                             dispatch_delay: dispatch_delay(&schedule, dispatched),
                             committed_at: Instant::now(),
                             span,
+                            stream_fallback: started.stream_fallback,
                         }));
                     }
                     Err(failure) => {
                         metrics.attempt_duration.with_label_values(&[&*route.name, &*upstream.name, failure.kind.as_str()]).observe(elapsed.as_secs_f64());
                         record_failure(call, idx, permit, &failure, elapsed);
+                        if failure.before_content {
+                            fallback::stream_failed(call, idx);
+                        }
                         let reason = failure.kind.as_str();
                         let retry_after = schedule::honoured_retry_after(failure.retry_after, &route.settings.policy.cooldown);
                         let retry = schedule.on_failure_from(std_now(), failure.kind, idx, retry_after, &mut providers);

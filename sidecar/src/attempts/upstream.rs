@@ -14,6 +14,7 @@ use tailwarden_decide::{
     capabilities::Decision,
     retry::{self, FailureKind},
     sse::{Opening, SseEvent, SseForwarder},
+    stream_fallback::{self, Mode},
     usage::{Usage, parse_usage},
 };
 use tokio::time::Instant;
@@ -38,6 +39,8 @@ pub struct Started {
     pub first_events: Vec<SseEvent>,
     pub usage: Option<Usage>,
     pub permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// A stream request served by a plain call: `held` is the replayed event stream.
+    pub stream_fallback: bool,
 }
 
 /// One attempt's failure.
@@ -49,6 +52,9 @@ pub struct AttemptFailure {
     /// The provider's own error response, passed to the client if nothing better comes.
     pub response: Option<(StatusCode, HeaderMap, Bytes)>,
     pub message: String,
+    /// A stream that failed after its response headers but before its first content: what
+    /// `streaming.fallback` learns from.
+    pub before_content: bool,
 }
 
 pub struct AttemptResult {
@@ -122,7 +128,14 @@ fn failure(kind: FailureKind, message: impl Into<String>) -> AttemptFailure {
         exhausted: false,
         response: None,
         message: message.into(),
+        before_content: false,
     }
+}
+
+/// A stream's failure after its headers, before its first content.
+fn before_content(mut f: AttemptFailure) -> AttemptFailure {
+    f.before_content = true;
+    f
 }
 
 async fn attempt_inner(
@@ -149,26 +162,31 @@ async fn attempt_inner(
     .map_err(|_| failure(FailureKind::Connect, "connection pool closed"))?;
 
     let provider_model = upstream.provider_model(call.model);
+    let mode = super::fallback::mode(call, idx);
     // The usage request is the sidecar's own parameter: never sent to a provider whose
     // capability rules say it does not take `stream_options` (its usage is estimated).
     let add_usage = call.strip_usage
+        && mode == Mode::Stream
         && upstream
             .capabilities
             .supports(provider_model, "stream_options");
-    let rewritten = match call.ex.decisions.get(idx) {
-        Some(Decision::Drop(params)) => {
-            call.ex
-                .app
-                .metrics
-                .capability_actions
-                .with_label_values(&[&*route.name, &*upstream.name, "dropped"])
-                .inc();
-            let params: Vec<&str> = params.iter().map(String::as_str).collect();
-            call.body
-                .rewrite_dropping(provider_model, add_usage, &params)
-        }
-        _ => call.body.rewrite(provider_model, add_usage),
+    // A plain request in place of a stream: without `stream` and `stream_options`.
+    let mut params: Vec<&str> = match mode {
+        Mode::Stream => Vec::new(),
+        Mode::NonStream => vec!["stream", "stream_options"],
     };
+    if let Some(Decision::Drop(dropped)) = call.ex.decisions.get(idx) {
+        call.ex
+            .app
+            .metrics
+            .capability_actions
+            .with_label_values(&[&*route.name, &*upstream.name, "dropped"])
+            .inc();
+        params.extend(dropped.iter().map(String::as_str));
+    }
+    let rewritten = call
+        .body
+        .rewrite_dropping(provider_model, add_usage, &params);
     let body = match rewritten {
         Some(bytes) => Bytes::from(bytes),
         None => call.ex.raw_body.clone(),
@@ -178,7 +196,7 @@ async fn attempt_inner(
         Outgoing {
             suffix: call.ex.endpoint.suffix(),
             body,
-            event_stream: call.ex.stream,
+            event_stream: call.ex.stream && mode == Mode::Stream,
             client_headers: Some(&call.ex.headers),
             request_id: Some(&call.ex.request_id),
             span,
@@ -234,6 +252,7 @@ async fn attempt_inner(
             exhausted,
             message: format!("HTTP {status}"),
             response: Some((status, parts.headers, collected.freeze())),
+            before_content: false,
         });
     }
 
@@ -255,11 +274,21 @@ async fn attempt_inner(
             let frame = tokio::time::timeout_at(first_byte_deadline, body.frame())
                 .await
                 .map_err(|_| {
-                    failure(timeout_kind, "no first byte before the first-byte deadline")
+                    before_content(failure(
+                        timeout_kind,
+                        "no first byte before the first-byte deadline",
+                    ))
                 })?;
             match frame {
-                None => return Err(failure(FailureKind::Reset, "stream ended before any event")),
-                Some(Err(e)) => return Err(failure(FailureKind::Reset, error_chain(&e))),
+                None => {
+                    return Err(before_content(failure(
+                        FailureKind::Reset,
+                        "stream ended before any event",
+                    )));
+                }
+                Some(Err(e)) => {
+                    return Err(before_content(failure(FailureKind::Reset, error_chain(&e))));
+                }
                 Some(Ok(frame)) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
@@ -272,10 +301,10 @@ async fn attempt_inner(
                         Opening::Wait => {}
                         Opening::Commit => break,
                         Opening::Fail => {
-                            return Err(failure(
+                            return Err(before_content(failure(
                                 FailureKind::Status(500),
                                 "the stream failed before its first content event",
-                            ));
+                            )));
                         }
                     }
                 }
@@ -290,6 +319,7 @@ async fn attempt_inner(
             first_events: events,
             usage: None,
             permit: Some(permit),
+            stream_fallback: false,
         });
     }
 
@@ -318,6 +348,14 @@ async fn attempt_inner(
                 held.push_back(data);
                 deadline = (Instant::now() + settings.idle).min(call.ex.deadline);
                 if size > BUFFER_LIMIT {
+                    if mode == Mode::NonStream {
+                        // Replaying needs the whole answer; this one is larger than any
+                        // chat completion should be.
+                        return Err(failure(
+                            FailureKind::Protocol,
+                            "the plain answer in place of a stream is larger than 4 MiB",
+                        ));
+                    }
                     return Ok(Started {
                         status,
                         headers: parts.headers,
@@ -327,6 +365,7 @@ async fn attempt_inner(
                         first_events: Vec::new(),
                         usage: None,
                         permit: Some(permit),
+                        stream_fallback: false,
                     });
                 }
             }
@@ -334,6 +373,31 @@ async fn attempt_inner(
     }
     let whole = concat(held);
     let usage = parse_usage(&whole);
+    if mode == Mode::NonStream {
+        let sse = stream_fallback::replay(&whole, call.body.client_wants_usage).map_err(|e| {
+            failure(
+                FailureKind::Protocol,
+                format!("cannot replay the plain answer as a stream: {e}"),
+            )
+        })?;
+        let mut headers = parts.headers;
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(Started {
+            status,
+            headers,
+            held: VecDeque::from([Bytes::from(sse)]),
+            rest: None,
+            forwarder: None,
+            first_events: Vec::new(),
+            usage,
+            permit: None,
+            stream_fallback: true,
+        });
+    }
     Ok(Started {
         status,
         headers: parts.headers,
@@ -343,6 +407,7 @@ async fn attempt_inner(
         first_events: Vec::new(),
         usage,
         permit: None,
+        stream_fallback: false,
     })
 }
 

@@ -23,6 +23,7 @@ use tailwarden_decide::{
     capabilities::CapabilityMap,
     context::ContextBudgets,
     route::RoutePolicy,
+    stream_fallback::FallbackSettings,
     tiers::{TierError, TierSet},
     usage::Price,
 };
@@ -176,6 +177,8 @@ pub struct Settings {
     pub slo_ttft: Option<Duration>,
     pub include_usage: bool,
     pub heartbeat: Option<Duration>,
+    /// `streaming.fallback`, when the route opts in.
+    pub stream_fallback: Option<FallbackSettings>,
     pub max_body_bytes: u64,
     /// What the attempt scheduler, the breakers, the budgets and the balancer need
     /// (`retries`, `hedging`, `circuitBreaker`, `slo`), read by the decision crate.
@@ -470,6 +473,7 @@ fn settings(spec: &InferenceRouteSpec) -> Settings {
         slo_ttft: policy.balance.ttft_budget,
         include_usage: spec.streaming.include_usage,
         heartbeat: spec.streaming.heartbeat_interval.as_ref().map(|d| d.get()),
+        stream_fallback: FallbackSettings::from_spec(spec),
         max_body_bytes: spec.limits.max_body_bytes.get(),
         policy,
     }

@@ -46,13 +46,14 @@ pub fn on_config(m: &Metrics, table: &RouteTable) {
 }
 
 /// Gauges read from live state, refreshed before each scrape: connection slots in use,
-/// cache sizes.
+/// cache sizes, providers whose streams are served by plain calls.
 pub fn sample(m: &Metrics, table: &RouteTable) {
     let _guard = m.series_lock.lock().unwrap_or_else(|p| p.into_inner());
     m.connections_in_use.reset();
     m.connections_max.reset();
     m.cache_entries.reset();
     m.cache_bytes.reset();
+    m.stream_fallback_active.reset();
     for route in &table.routes {
         if let Some(cache) = &route.cache {
             let (entries, weight) = cache.usage();
@@ -72,6 +73,16 @@ pub fn sample(m: &Metrics, table: &RouteTable) {
             m.connections_in_use
                 .with_label_values(&labels)
                 .set((max - free).max(0));
+            if let Some(settings) = &route.settings.stream_fallback {
+                let on = upstream
+                    .state
+                    .stream
+                    .lock()
+                    .is_ok_and(|h| h.falling_back(settings));
+                m.stream_fallback_active
+                    .with_label_values(&labels)
+                    .set(i64::from(on));
+            }
         }
     }
 }

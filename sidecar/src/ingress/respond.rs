@@ -7,7 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
-use tailwarden_decide::{error::ApiError, request::RequestBody, responses};
+use tailwarden_decide::{error::ApiError, request::RequestBody, responses, sse::SseScanner};
 use tokio::time::Instant;
 use tracing::Span;
 
@@ -32,6 +32,9 @@ use crate::{
         semantic,
     },
 };
+
+/// Marks a stream request answered by a plain call (`streaming.fallback`).
+pub const STREAM_FALLBACK_HEADER: &str = "x-tailwarden-stream-fallback";
 
 /// Priorities as metric labels, without formatting one per request.
 const PRIORITY_LABELS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
@@ -64,6 +67,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
         cache: None,
         context: ex.context,
         priority: ex.priority,
+        stream_fallback: false,
     }
 }
 
@@ -253,6 +257,7 @@ pub async fn attempted(
         cache: cache.label(),
         context: ex.context,
         priority: ex.priority,
+        stream_fallback: false,
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -266,6 +271,7 @@ pub async fn attempted(
                 overhead,
             );
             info.attempt_span = won.span;
+            info.stream_fallback = won.stream_fallback;
             let mut recorder = Recorder::new(info);
             recorder.set_admission(admission);
             // One fill for the exact and the semantic cache, when either may store it.
@@ -315,6 +321,12 @@ pub async fn attempted(
                         remember.affinity.remember(&id, owner);
                     }
                     let mut observers = (recorder, won.verdict, fill);
+                    if won.stream_fallback {
+                        // The replayed stream's events: TTFT, usage and the model, as
+                        // for a stream relayed from the provider.
+                        let mut scanner = SseScanner::new();
+                        scanner.feed(&whole, |ev| observers.on_event(&ev));
+                    }
                     observers.on_chunk(&whole);
                     observers.on_end(End::Complete);
                     drop(observers);
@@ -352,6 +364,12 @@ pub async fn attempted(
                 "x-tailwarden-attempts",
                 &won.attempts.to_string(),
             );
+            if won.stream_fallback {
+                response.headers_mut().insert(
+                    STREAM_FALLBACK_HEADER,
+                    HeaderValue::from_static("non-stream"),
+                );
+            }
             set_header(
                 response.headers_mut(),
                 "x-tailwarden-overhead-us",

@@ -128,6 +128,8 @@ pub struct Metrics {
     pub admission_rejected: IntCounterVec,
     pub queue_wait: HistogramVec,
     pub queue_shed: IntCounterVec,
+    pub stream_fallbacks: IntCounterVec,
+    pub stream_fallback_active: IntGaugeVec,
     /// By `reason` ([`crate::state::redis::BackendError::reason`]).
     pub limit_backend_errors: IntCounterVec,
     pub cache_backend_errors: IntCounterVec,
@@ -345,6 +347,20 @@ impl Metrics {
                 ),
                 &["route", "priority", "reason"],
             )?,
+            stream_fallbacks: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_stream_fallbacks_total",
+                    "Stream requests answered by a plain (non-stream) call replayed as an event stream, because the provider's streams kept failing before their first content (streaming.fallback).",
+                ),
+                &["route", "provider"],
+            )?,
+            stream_fallback_active: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_stream_fallback_active",
+                    "1 while a provider's stream requests are served by plain calls (streaming.fallback), else 0; routes with the fallback only.",
+                ),
+                &["route", "provider"],
+            )?,
             queue_wait: histogram(
                 "tailwarden_queue_wait_seconds",
                 "Time admitted requests waited for a concurrency slot (rateLimit.maxConcurrent).",
@@ -475,6 +491,9 @@ impl Metrics {
             .register(Box::new(m.admission_rejected.clone()))?;
         m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.queue_shed.clone()))?;
+        m.registry.register(Box::new(m.stream_fallbacks.clone()))?;
+        m.registry
+            .register(Box::new(m.stream_fallback_active.clone()))?;
         m.registry
             .register(Box::new(m.limit_backend_errors.clone()))?;
         m.registry.register(Box::new(m.cache_requests.clone()))?;

@@ -91,6 +91,8 @@ pub struct RequestInfo {
     pub context: Option<ContextReport>,
     /// The concurrency-queue priority (routes with `rateLimit.priority`).
     pub priority: Option<u8>,
+    /// A stream request answered by a plain call (`streaming.fallback`).
+    pub stream_fallback: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -389,6 +391,9 @@ impl Drop for Recorder {
             );
             l.opt_str("context_tokenizer", i.context.map(|c| c.tokenizer));
             l.opt_u64("priority", i.priority.map(u64::from));
+            if i.stream_fallback {
+                l.str("stream_fallback", "non-stream");
+            }
         });
         if !logged {
             m.access_log_dropped.inc();

@@ -47,6 +47,7 @@ use tailwarden_decide::{
     breaker::{BreakerSettings, CircuitBreaker},
     hedge::{QuantileSettings, TtftQuantiles, hedge_budget},
     retry::{BudgetSettings, RetryBudget},
+    stream_fallback::StreamHealth,
 };
 
 /// Values built from settings, one per key, reused while the settings they were built from
@@ -144,6 +145,8 @@ pub struct ProviderState {
     pub auth_value: ArcSwapOption<HeaderValue>,
     /// Why the provider cannot be used (its key is missing), if so.
     pub unusable: Mutex<Option<String>>,
+    /// Whether its streams fail before their first content (`streaming.fallback`).
+    pub stream: Mutex<StreamHealth>,
 }
 
 impl ProviderState {
@@ -156,6 +159,7 @@ impl ProviderState {
             endpoint: Arc::new(EndpointState::default()),
             auth_value: ArcSwapOption::empty(),
             unusable: Mutex::new(None),
+            stream: Mutex::new(StreamHealth::default()),
         }
     }
 }
