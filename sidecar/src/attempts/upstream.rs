@@ -480,16 +480,21 @@ pub(crate) fn request(
     Ok(req)
 }
 
-/// Client headers passed to providers: everything but framing, hop-by-hop, credentials
-/// (the sidecar sets the provider's own) and compression (SSE must stay scannable).
+/// Client headers passed to providers on a call the sidecar understands: the [`passable`]
+/// ones minus content type and negotiation (the sidecar sends the JSON it built and asks for
+/// an uncompressed answer, so SSE stays scannable).
 fn forwardable(name: &http::HeaderName) -> bool {
+    passable(name) && !matches!(name.as_str(), "content-type" | "accept" | "accept-encoding")
+}
+
+/// Client headers any call passes on: everything but framing, hop-by-hop, credentials (the
+/// provider's key is injected) and the sidecar's own. A pass-through call keeps content type
+/// and encoding: its body is the client's, byte for byte.
+pub(crate) fn passable(name: &http::HeaderName) -> bool {
     !matches!(
         name.as_str(),
         "host"
             | "content-length"
-            | "content-type"
-            | "accept"
-            | "accept-encoding"
             | "connection"
             | "keep-alive"
             | "transfer-encoding"
@@ -547,5 +552,40 @@ pub(crate) fn copy_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
             continue;
         }
         to.append(name.clone(), value.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_framing_and_our_own_headers_never_pass() {
+        for name in [
+            "authorization",
+            "api-key",
+            "x-api-key",
+            "cookie",
+            "proxy-authorization",
+            "host",
+            "content-length",
+            "transfer-encoding",
+            "x-tailwarden-priority",
+        ] {
+            let name = http::HeaderName::from_static(name);
+            assert!(!passable(&name), "{name}");
+            assert!(!forwardable(&name), "{name}");
+        }
+        let name = http::HeaderName::from_static("openai-organization");
+        assert!(passable(&name) && forwardable(&name));
+    }
+
+    #[test]
+    fn only_a_pass_through_call_keeps_the_clients_content_negotiation() {
+        for name in ["content-type", "accept", "accept-encoding"] {
+            let name = http::HeaderName::from_static(name);
+            assert!(passable(&name), "{name}");
+            assert!(!forwardable(&name), "{name}");
+        }
     }
 }

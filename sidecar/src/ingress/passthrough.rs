@@ -44,7 +44,7 @@ use crate::{
     app::App,
     attempts::{
         provider_down,
-        upstream::{copy_response_headers, error_chain},
+        upstream::{copy_response_headers, error_chain, passable},
     },
     config::{Route, Upstream},
     record::access_log,
@@ -435,31 +435,6 @@ fn outgoing(
         headers.insert(upstream.auth_header.clone(), (*value).clone());
     }
     Ok(req)
-}
-
-/// Client headers passed on: everything but framing, hop-by-hop and credentials (the
-/// provider's key is injected). Content type and encoding pass untouched: the body is the
-/// client's, byte for byte.
-fn passable(name: &http::HeaderName) -> bool {
-    !matches!(
-        name.as_str(),
-        "host"
-            | "content-length"
-            | "connection"
-            | "keep-alive"
-            | "transfer-encoding"
-            | "te"
-            | "trailer"
-            | "upgrade"
-            | "expect"
-            | "proxy-authorization"
-            | "proxy-connection"
-            | "authorization"
-            | "api-key"
-            | "x-api-key"
-            | "cookie"
-            | "x-request-id"
-    ) && !name.as_str().starts_with("x-tailwarden-")
 }
 
 /// The provider's response, relayed as it arrives.
