@@ -132,6 +132,9 @@ pub enum Reason {
     ProbesSucceeded,
     /// HalfOpen → Open: a probe failed.
     ProbeFailed,
+    /// Open or HalfOpen → Closed: new settings disable both trip rules, so the circuit
+    /// the old settings opened can never be judged again.
+    Disabled,
 }
 
 impl Reason {
@@ -144,6 +147,7 @@ impl Reason {
             Reason::OpenElapsed => "open_elapsed",
             Reason::ProbesSucceeded => "probes_succeeded",
             Reason::ProbeFailed => "probe_failed",
+            Reason::Disabled => "disabled",
         }
     }
 }
@@ -280,13 +284,17 @@ impl CircuitBreaker {
     }
 
     /// New settings for a breaker that keeps its state (a config reload that edited the
-    /// route's `circuitBreaker`): an open circuit stays open until its open period ends,
-    /// a half-open one keeps its probes, and the new thresholds judge what comes next. A
-    /// changed `window` restarts the rolling window (its buckets had the old width).
-    pub fn reconfigure(&mut self, settings: BreakerSettings, now: Instant) {
+    /// route's `circuitBreaker`): an open circuit stays open until its open period ends —
+    /// but no longer than the new `max_open_for` from now —, a half-open one keeps its
+    /// probes, and the new thresholds judge what comes next. A changed `window` restarts
+    /// the rolling window (its buckets had the old width). Settings that disable both trip
+    /// rules close an open or half-open circuit at once: nothing could ever open it again,
+    /// so keeping it open would only keep traffic away on the old config's word. Returns
+    /// that transition, for the log.
+    pub fn reconfigure(&mut self, settings: BreakerSettings, now: Instant) -> Option<Transition> {
         let settings = clamped(settings);
         if settings == self.settings {
-            return;
+            return None;
         }
         if settings.window != self.settings.window {
             self.bucket_width = bucket_width(&settings);
@@ -294,6 +302,17 @@ impl CircuitBreaker {
             self.buckets = [Bucket::default(); BUCKETS];
         }
         self.settings = settings;
+        let can_trip =
+            self.settings.consecutive_failures > 0 || self.settings.failure_rate_percent > 0;
+        match self.state {
+            State::Closed => None,
+            State::Open | State::HalfOpen if !can_trip => Some(self.close(now, Reason::Disabled)),
+            State::Open => {
+                self.open_until = self.open_until.min(now + self.settings.max_open_for);
+                None
+            }
+            State::HalfOpen => None,
+        }
     }
 
     /// The settings in force (after clamping).
@@ -474,14 +493,15 @@ impl CircuitBreaker {
             // tells nothing the open circuit does not already say.
             State::Open if permit.panic && !outcome.failed => {
                 self.panic_successes += 1;
-                (self.panic_successes >= self.settings.half_open_probes).then(|| self.close(now))
+                (self.panic_successes >= self.settings.half_open_probes)
+                    .then(|| self.close(now, Reason::ProbesSucceeded))
             }
             State::Open => None,
             State::HalfOpen if permit.panic => {
                 if !outcome.failed {
                     self.probe_successes += 1;
                     if self.probe_successes >= self.settings.half_open_probes {
-                        return Some(self.close(now));
+                        return Some(self.close(now, Reason::ProbesSucceeded));
                     }
                 }
                 None
@@ -495,7 +515,7 @@ impl CircuitBreaker {
                 } else {
                     self.probe_successes += 1;
                     if self.probe_successes >= self.settings.half_open_probes {
-                        Some(self.close(now))
+                        Some(self.close(now, Reason::ProbesSucceeded))
                     } else {
                         None
                     }
@@ -605,12 +625,12 @@ impl CircuitBreaker {
         Duration::try_from_secs_f64(grown).map_or(cap, |d| d.min(cap))
     }
 
-    fn close(&mut self, now: Instant) -> Transition {
+    fn close(&mut self, now: Instant, reason: Reason) -> Transition {
         self.reopens = 0;
         self.resolved.clear();
         self.buckets = [Bucket::default(); BUCKETS];
         self.origin = now;
-        self.enter(State::Closed, Reason::ProbesSucceeded)
+        self.enter(State::Closed, reason)
     }
 
     fn slot(&self, now: Instant) -> u64 {
@@ -1101,6 +1121,54 @@ mod tests {
         assert_eq!(b.settings().max_open_for, 30 * S);
         assert_eq!(State::HalfOpen.as_str(), "half_open");
         assert_eq!(Reason::ProbeFailed.as_str(), "probe_failed");
+    }
+
+    #[test]
+    fn reconfigure_that_disables_both_rules_closes_an_open_circuit() {
+        let t0 = Instant::now();
+        let off = BreakerSettings {
+            consecutive_failures: 0,
+            failure_rate_percent: 0,
+            ..settings()
+        };
+        let mut b = tripped(t0);
+        assert!(!b.is_available(t0 + S));
+        assert_eq!(
+            b.reconfigure(off.clone(), t0 + S),
+            tr(State::Open, State::Closed, Reason::Disabled)
+        );
+        assert!(b.is_available(t0 + S));
+        // And failures can no longer open it.
+        for _ in 0..50 {
+            assert_eq!(fail(&mut b, t0 + S), None);
+        }
+        assert_eq!(b.state(), State::Closed);
+        // Only one rule off: still a breaker, still open.
+        let mut c = tripped(t0);
+        let one_off = BreakerSettings {
+            consecutive_failures: 0,
+            ..settings()
+        };
+        assert_eq!(c.reconfigure(one_off, t0 + S), None);
+        assert_eq!(c.state(), State::Open);
+    }
+
+    #[test]
+    fn reconfigure_caps_an_open_period_at_the_new_max_open_for() {
+        let t0 = Instant::now();
+        let mut b = tripped(t0);
+        assert!(!b.is_available(t0 + 2 * S));
+        let short = BreakerSettings {
+            open_for: S / 2,
+            max_open_for: S,
+            ..settings()
+        };
+        assert_eq!(b.reconfigure(short, t0 + S), None);
+        assert!(!b.is_available(t0 + S + S / 2));
+        assert!(
+            b.is_available(t0 + 2 * S),
+            "open until t0 + 1 s + the new 1 s cap"
+        );
     }
 
     #[test]

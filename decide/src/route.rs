@@ -88,20 +88,21 @@ impl RoutePolicy {
                 honor_retry_after: spec.retries.honor_retry_after,
                 max_retry_after: spec.retries.max_retry_after.get(),
             },
-            // A disabled breaker is one whose thresholds can never be reached.
+            // A disabled breaker is one with both trip rules off (0), which is also what
+            // closes a circuit the previous config opened (`CircuitBreaker::reconfigure`).
             breaker: BreakerSettings {
                 consecutive_failures: if cb.enabled {
                     cb.consecutive_failures
                 } else {
-                    u32::MAX
+                    0
                 },
-                failure_rate_percent: cb.failure_rate_percent,
-                window: cb.window.get(),
-                min_requests: if cb.enabled {
-                    cb.min_requests
+                failure_rate_percent: if cb.enabled {
+                    cb.failure_rate_percent
                 } else {
-                    u32::MAX
+                    0
                 },
+                window: cb.window.get(),
+                min_requests: cb.min_requests,
                 open_for: cb.open_for.get(),
                 max_open_for: cb.max_open_for.get(),
                 half_open_probes: cb.half_open_probes,

@@ -190,9 +190,10 @@ fn primary_and_backup(primary: &str, backup: &str, spec: &str) -> String {
 }
 
 /// A circuit breaker opened during an outage stays open when the route file changes in
-/// ways that do not concern the provider: traffic keeps avoiding it.
+/// ways that do not concern the provider: traffic keeps avoiding it. Disabling the breaker
+/// closes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_open_breaker_stays_open_across_an_unrelated_reload() {
+async fn an_open_breaker_stays_open_across_an_unrelated_reload_and_closes_when_disabled() {
     let healthy = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = healthy.clone();
     let primary = upstream(move |_, _| {
@@ -238,6 +239,27 @@ async fn an_open_breaker_stays_open_across_an_unrelated_reload() {
     assert!(
         metrics
             .contains("tailwarden_circuit_breaker_state{provider=\"primary\",route=\"t/test\"} 2"),
+        "{metrics}"
+    );
+
+    // Turning the breaker off is not an unrelated edit: nothing could ever close the
+    // circuit again, so it closes now and the primary serves again.
+    reload_to(
+        &sc,
+        &primary_and_backup(
+            &primary.base_url(),
+            &backup.base_url(),
+            "  retries: {backoff: {base: 1ms, max: 2ms}, budgetPercent: 100}\n  circuitBreaker: {enabled: false}\n  timeouts: {firstByte: 11s}\n",
+        ),
+    )
+    .await;
+    let r = chat(&sc, false).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-tailwarden-provider"), "primary");
+    let metrics = String::from_utf8(sc.app.metrics.render()).unwrap();
+    assert!(
+        metrics
+            .contains("tailwarden_circuit_breaker_state{provider=\"primary\",route=\"t/test\"} 0"),
         "{metrics}"
     );
 }

@@ -398,11 +398,15 @@ fn compile_route(
         let state = registries.providers.get_or_build(&key, &(), || {
             Arc::new(ProviderState::new(breaker_settings.clone()))
         });
-        state
+        let closed = state
             .breaker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .reconfigure(breaker_settings.clone(), std::time::Instant::now());
+        if let Some(t) = closed {
+            // The state gauge follows when the loaded config's series are set.
+            tracing::warn!(route = %name, provider = %provider.name, from = t.from.as_str(), to = t.to.as_str(), reason = t.reason.as_str(), "circuit breaker transition");
+        }
         let upstream = compile_upstream(&name, provider, &settings, state, pools)?;
         in_use.push((
             upstream.origin.clone(),
