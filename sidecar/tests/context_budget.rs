@@ -7,22 +7,12 @@
 
 mod common;
 
-use std::{sync::OnceLock, time::Duration};
-
-use common::*;
+use common::{
+    access::{access_line, log_lines},
+    *,
+};
 use serde_json::{Value, json};
 use tailwarden_decide::context::{Counter, TokenizerChoice};
-use tailwarden_sidecar::record::access_log;
-
-/// Every access-log line of this test binary (JSON), captured once for all tests.
-fn log_lines() -> &'static access_log::Capture {
-    static LOG: OnceLock<access_log::Capture> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let capture = access_log::Capture::default();
-        access_log::init(access_log::Format::Json, true, Box::new(capture.clone()));
-        capture
-    })
-}
 
 /// POSTs a chat with its own request id (ids of different sidecars may repeat).
 async fn post_with_id(sc: &Sidecar, id: &str, body: &str) -> Reply {
@@ -42,22 +32,6 @@ async fn post_with_id(sc: &Sidecar, id: &str, body: &str) -> Reply {
         headers: parts.headers,
         body: String::from_utf8_lossy(&bytes).into_owned(),
     }
-}
-
-/// The access log line of request `id`, once written.
-async fn access_line(id: &str) -> Value {
-    let find = || {
-        log_lines()
-            .text()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == id)
-    };
-    assert!(
-        wait_until(Duration::from_secs(5), || find().is_some()).await,
-        "no access log line for {id}"
-    );
-    find().unwrap()
 }
 
 fn long_chat(turns: usize) -> Value {

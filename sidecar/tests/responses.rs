@@ -10,38 +10,16 @@
 
 mod common;
 
-use std::{sync::OnceLock, time::Duration};
+use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
+use common::{
+    access::{access_line, log_lines},
+    *,
+};
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use tailwarden_sidecar::record::access_log;
-
-/// Every access-log line of this test binary (JSON), captured once for all tests.
-fn log_lines() -> &'static access_log::Capture {
-    static LOG: OnceLock<access_log::Capture> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let capture = access_log::Capture::default();
-        access_log::init(access_log::Format::Json, true, Box::new(capture.clone()));
-        capture
-    })
-}
-
-async fn access_line(id: &str) -> Value {
-    let find = || {
-        let text = log_lines().text();
-        text.lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == id)
-    };
-    assert!(
-        wait_until(Duration::from_secs(5), || find().is_some()).await,
-        "no access log line for {id}"
-    );
-    find().unwrap()
-}
 
 /// One Responses SSE event.
 fn ev(kind: &str, seq: u64, extra: Value) -> String {

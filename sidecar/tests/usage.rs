@@ -7,43 +7,16 @@
 
 mod common;
 
-use std::{
-    sync::{Arc, OnceLock},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use common::*;
+use common::{
+    access::{access_line, log_lines},
+    *,
+};
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::Value;
-use tailwarden_sidecar::record::access_log;
-
-/// Every access-log line of this test binary (JSON), captured once for all tests.
-fn log_lines() -> &'static access_log::Capture {
-    static LOG: OnceLock<access_log::Capture> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let capture = access_log::Capture::default();
-        access_log::init(access_log::Format::Json, true, Box::new(capture.clone()));
-        capture
-    })
-}
-
-/// The access log line of request `id`, once written (the line is written when the response
-/// body is dropped, which may be just after the client saw its end).
-async fn access_line(id: &str) -> Value {
-    let find = || {
-        let text = log_lines().text();
-        text.lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == id)
-    };
-    assert!(
-        wait_until(Duration::from_secs(5), || find().is_some()).await,
-        "no access log line for {id}"
-    );
-    find().unwrap()
-}
 
 async fn send(sc: &Sidecar, id: &str, body: &str) -> (u16, Bytes) {
     let req = Request::post(sc.url("/v1/chat/completions"))

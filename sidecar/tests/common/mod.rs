@@ -5,6 +5,8 @@
 #[path = "../../../e2e/tests/common/redis_server.rs"]
 pub mod redis;
 
+pub mod access;
+
 use std::{
     net::SocketAddr,
     sync::{
