@@ -10,6 +10,7 @@
 //!
 //! | module | decides |
 //! |---|---|
+//! | [`encoding`] | which `Content-Encoding` of a request body is decoded; 415/400/413 otherwise |
 //! | [`request`] | what the client's JSON body says (top level only) and how to rewrite it |
 //! | [`passthrough`] | the rest of `/v1`: safe paths, where each request goes, what may be resent |
 //! | [`error`] | the OpenAI-shaped error a refused request gets (plain data) |
@@ -37,6 +38,7 @@ pub mod bucket;
 pub mod cache_key;
 pub mod capabilities;
 pub mod context;
+pub mod encoding;
 pub mod error;
 pub mod hedge;
 pub mod passthrough;

@@ -481,10 +481,15 @@ pub(crate) fn request(
 }
 
 /// Client headers passed to providers on a call the sidecar understands: the [`passable`]
-/// ones minus content type and negotiation (the sidecar sends the JSON it built and asks for
-/// an uncompressed answer, so SSE stays scannable).
+/// ones minus content type, encoding and negotiation (the sidecar sends the decoded JSON it
+/// built, never the client's compressed bytes, and asks for an uncompressed answer, so SSE
+/// stays scannable).
 fn forwardable(name: &http::HeaderName) -> bool {
-    passable(name) && !matches!(name.as_str(), "content-type" | "accept" | "accept-encoding")
+    passable(name)
+        && !matches!(
+            name.as_str(),
+            "content-type" | "content-encoding" | "accept" | "accept-encoding"
+        )
 }
 
 /// Client headers any call passes on: everything but framing, hop-by-hop, credentials (the
@@ -582,7 +587,12 @@ mod tests {
 
     #[test]
     fn only_a_pass_through_call_keeps_the_clients_content_negotiation() {
-        for name in ["content-type", "accept", "accept-encoding"] {
+        for name in [
+            "content-type",
+            "content-encoding",
+            "accept",
+            "accept-encoding",
+        ] {
             let name = http::HeaderName::from_static(name);
             assert!(passable(&name), "{name}");
             assert!(!forwardable(&name), "{name}");

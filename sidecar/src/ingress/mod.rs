@@ -7,6 +7,7 @@
 //! A route with `streaming.heartbeatInterval` commits a streamed response when no attempt
 //! answered within one interval and sends `: ping` comments while the attempts go on.
 
+pub mod decode;
 pub mod passthrough;
 pub mod respond;
 
@@ -17,6 +18,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, header};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tailwarden_decide::{
+    encoding,
     error::ApiError,
     request::{Endpoint, RequestBody},
 };
@@ -239,8 +241,26 @@ fn models(app: &App) -> Response<ProxyBody> {
 }
 
 /// The body, bounded by `limits.maxBodyBytes` (the largest of all routes before the route
-/// is known) and the body timeout.
+/// is known) and the body timeout; a compressed body is decoded, the limit applying to the
+/// decoded bytes, and its `Content-Encoding` removed: what goes on is the decoded JSON.
 async fn read_body(
+    app: &App,
+    req: Request<Incoming>,
+    limit: u64,
+) -> Result<(HeaderMap, Bytes), ApiError> {
+    // An encoding the sidecar cannot decode is refused before the body is read.
+    let coding = encoding::request_coding(req.headers())?;
+    let (mut headers, body) = read_raw(app, req, limit).await?;
+    let Some(coding) = coding else {
+        return Ok((headers, body));
+    };
+    let decoded = decode::decode(coding, body, limit).await?;
+    headers.remove(header::CONTENT_ENCODING);
+    Ok((headers, decoded))
+}
+
+/// The body as the client sent it, bounded by `limit` and the body timeout.
+async fn read_raw(
     app: &App,
     req: Request<Incoming>,
     limit: u64,

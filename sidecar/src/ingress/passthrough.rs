@@ -32,6 +32,7 @@ use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use tailwarden_decide::{
+    encoding,
     error::ApiError,
     passthrough::{self, Kind},
 };
@@ -40,6 +41,7 @@ use tokio::{
     time::{Instant, Sleep},
 };
 
+use super::decode;
 use crate::{
     app::App,
     attempts::{
@@ -184,17 +186,33 @@ async fn forward(
                 return Err(ApiError::bad_request("The request body could not be read."));
             };
             let bytes = read_json(app, &parts.headers, json, table.max_body_bytes).await?;
-            let model = serde_json::from_slice::<ModelOnly>(&bytes)
-                .ok()
+            // A compressed body is decoded only to read its `model` (the decoded size bounded
+            // like the request path's); it is forwarded as the client sent it, header and
+            // all. One the sidecar cannot decode has no model it can see: the home provider.
+            let decoded = match encoding::request_coding(&parts.headers) {
+                Ok(None) => Some(bytes.clone()),
+                Ok(Some(coding)) => {
+                    match decode::decode(coding, bytes.clone(), table.max_body_bytes).await {
+                        Ok(decoded) => Some(decoded),
+                        Err(e) if e.status == StatusCode::PAYLOAD_TOO_LARGE => return Err(e),
+                        Err(_) => None,
+                    }
+                }
+                Err(_) => None,
+            };
+            let model = decoded
+                .as_deref()
+                .and_then(|d| serde_json::from_slice::<ModelOnly>(d).ok())
                 .and_then(|m| m.model)
                 .filter(|m| !m.is_empty());
+            let decoded_len = decoded.as_ref().map_or(bytes.len(), Bytes::len);
             let target = match model {
                 Some(model) => {
                     let route = table
                         .route_for(&model)
                         .ok_or_else(|| ApiError::model_not_found(&model))?
                         .clone();
-                    if bytes.len() as u64 > route.settings.max_body_bytes {
+                    if decoded_len as u64 > route.settings.max_body_bytes {
                         return Err(ApiError::too_large(route.settings.max_body_bytes));
                     }
                     routed_model = Some(model);
