@@ -45,6 +45,12 @@ use crate::sidecar_env::{self, OtelConfig, Workload};
 
 /// Environment variable the OpenAI SDKs read for their base URL.
 pub const BASE_URL_ENV: &str = "OPENAI_BASE_URL";
+/// Environment variable the OpenAI SDKs read for their key: they refuse to start without
+/// one, though the sidecar never forwards it and sends the provider's own key.
+pub const API_KEY_ENV: &str = "OPENAI_API_KEY";
+/// What a container that points at the sidecar and has no key gets as `OPENAI_API_KEY`:
+/// obviously not a key, so nobody mistakes it for a leaked secret in a pod spec or a log.
+pub const API_KEY_PLACEHOLDER: &str = "tailwarden-injected-placeholder";
 /// Name of the sidecar's probe port (`PROBE_PORT`).
 pub const PROBE_PORT_NAME: &str = "tw-probe";
 /// UID the sidecar runs as: the distroless `nonroot` user.
@@ -470,27 +476,28 @@ pub fn patch(pod: &Pod, routes: &[RouteInfo], cfg: &InjectConfig) -> Patch {
         .annotations()
         .get(SET_BASE_URL_ANNOTATION)
         .is_none_or(|v| v.trim() != "false");
-    if set_base_url {
-        let env_var = json!({ "name": BASE_URL_ENV, "value": BASE_URL });
-        for (i, container) in spec
-            .map(|s| s.containers.as_slice())
-            .unwrap_or_default()
-            .iter()
-            .enumerate()
-        {
-            let index = i.to_string();
-            match &container.env {
-                Some(env) if env.iter().any(|e| e.name == BASE_URL_ENV) => {}
-                // First in the list, so later variables can refer to it as $(OPENAI_BASE_URL).
-                Some(_) => ops.push(add(
-                    &["spec", "containers", &index, "env", "0"],
-                    env_var.clone(),
-                )),
-                None => ops.push(add(
-                    &["spec", "containers", &index, "env"],
-                    json!([env_var]),
-                )),
+    for (i, container) in spec
+        .map(|s| s.containers.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        let vars = app_env(container, set_base_url);
+        if vars.is_empty() {
+            continue;
+        }
+        let index = i.to_string();
+        if container.env.is_some() {
+            // First in the list, so later variables can refer to them as $(OPENAI_BASE_URL).
+            for (at, var) in vars.into_iter().enumerate() {
+                let at = at.to_string();
+                ops.push(add(&["spec", "containers", &index, "env", &at], var));
             }
+        } else {
+            ops.push(add(
+                &["spec", "containers", &index, "env"],
+                Value::Array(vars),
+            ));
         }
     }
 
@@ -510,6 +517,26 @@ pub fn patch(pod: &Pod, routes: &[RouteInfo], cfg: &InjectConfig) -> Patch {
         "true",
     );
     Patch(ops)
+}
+
+/// The variables an app container gets, in order: `OPENAI_BASE_URL` pointing at the sidecar
+/// unless the pod opted out (`set_base_url` false) or the container sets its own in `env`,
+/// and, only with that base URL, a placeholder `OPENAI_API_KEY` when its `env` has none —
+/// the SDKs refuse to start without a key, and the sidecar supplies the real one. A
+/// container that keeps its own base URL talks to something else and keeps its own key.
+/// Only `env` is checked: what an `envFrom` ConfigMap or Secret holds is not known at
+/// admission, and an injected `env` entry takes precedence over it (docs/injection.md).
+pub fn app_env(container: &Container, set_base_url: bool) -> Vec<Value> {
+    let env = container.env.as_deref().unwrap_or_default();
+    let sets = |name: &str| env.iter().any(|e| e.name == name);
+    if !set_base_url || sets(BASE_URL_ENV) {
+        return Vec::new();
+    }
+    let mut vars = vec![json!({ "name": BASE_URL_ENV, "value": BASE_URL })];
+    if !sets(API_KEY_ENV) {
+        vars.push(json!({ "name": API_KEY_ENV, "value": API_KEY_PLACEHOLDER }));
+    }
+    vars
 }
 
 /// The sidecar as a typed container, for callers that want to inspect it (the chart's
@@ -978,7 +1005,10 @@ mod tests {
                 "containers": [{
                     "name": "app",
                     "image": "app:1",
-                    "env": [{ "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" }],
+                    "env": [
+                        { "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" },
+                        { "name": "OPENAI_API_KEY", "value": "tailwarden-injected-placeholder" },
+                    ],
                 }],
                 "volumes": [
                     { "name": "tailwarden-config", "projected": { "sources": [
@@ -1059,6 +1089,7 @@ mod tests {
             spec["containers"][1]["env"],
             json!([
                 { "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" },
+                { "name": "OPENAI_API_KEY", "value": "tailwarden-injected-placeholder" },
                 { "name": "URL", "value": "$(OPENAI_BASE_URL)/chat" },
             ])
         );
@@ -1175,8 +1206,71 @@ mod tests {
         // The app container is not given any of it.
         assert_eq!(
             got["spec"]["containers"][0]["env"],
-            json!([{ "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" }])
+            json!([
+                { "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" },
+                { "name": "OPENAI_API_KEY", "value": "tailwarden-injected-placeholder" },
+            ])
         );
+    }
+
+    fn container(env: Value) -> Container {
+        serde_json::from_value(json!({ "name": "app", "image": "app:1", "env": env })).unwrap()
+    }
+
+    fn names(vars: &[Value]) -> Vec<&str> {
+        vars.iter().map(|v| v["name"].as_str().unwrap()).collect()
+    }
+
+    #[test]
+    fn app_env_adds_the_base_url_and_a_placeholder_key_only_where_both_are_missing() {
+        // Nothing set: both, base URL first.
+        let vars = app_env(&container(Value::Null), true);
+        assert_eq!(
+            vars,
+            [
+                json!({ "name": "OPENAI_BASE_URL", "value": "http://127.0.0.1:15080/v1" }),
+                json!({ "name": "OPENAI_API_KEY", "value": "tailwarden-injected-placeholder" }),
+            ]
+        );
+        // The app's own key (or a reference to a Secret) is kept: only the base URL.
+        for key in [
+            json!({ "name": "OPENAI_API_KEY", "value": "sk-app" }),
+            json!({ "name": "OPENAI_API_KEY", "valueFrom": { "secretKeyRef": { "name": "s", "key": "k" } } }),
+        ] {
+            let vars = app_env(&container(json!([key])), true);
+            assert_eq!(names(&vars), ["OPENAI_BASE_URL"]);
+        }
+        // A container with its own base URL talks to something else: nothing, not even a key.
+        let own = container(json!([{ "name": "OPENAI_BASE_URL", "value": "http://proxy/v1" }]));
+        assert!(app_env(&own, true).is_empty());
+        // The pod opted out of the base URL: nothing.
+        assert!(app_env(&container(Value::Null), false).is_empty());
+        // envFrom is not looked into: the placeholder is still added (an env entry wins over
+        // envFrom, and the sidecar never forwards the app's key anyway).
+        let mut from = container(Value::Null);
+        from.env_from = Some(vec![
+            serde_json::from_value(json!({ "secretRef": { "name": "openai" } })).unwrap(),
+        ]);
+        assert_eq!(
+            names(&app_env(&from, true)),
+            ["OPENAI_BASE_URL", "OPENAI_API_KEY"]
+        );
+    }
+
+    #[test]
+    fn the_placeholder_is_obviously_not_a_key() {
+        assert!(!API_KEY_PLACEHOLDER.starts_with("sk-"));
+        assert!(API_KEY_PLACEHOLDER.contains("placeholder"));
+    }
+
+    #[test]
+    fn opting_out_of_the_base_url_adds_no_placeholder_key() {
+        let pod = json!({
+            "metadata": { "name": "app", "annotations": { ROUTES_ANNOTATION: "chat", SET_BASE_URL_ANNOTATION: "false" } },
+            "spec": { "containers": [{ "name": "app", "image": "app:1" }] },
+        });
+        let got = inject_into(pod, &labels(None), &[chat()], &cfg());
+        assert!(got["spec"]["containers"][0].get("env").is_none(), "{got}");
     }
 
     #[test]

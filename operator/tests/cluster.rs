@@ -419,6 +419,11 @@ async fn operator_on_a_real_api_server() {
         env.iter().any(|e| e.name == "OPENAI_BASE_URL"
             && e.value.as_deref() == Some("http://127.0.0.1:15080/v1"))
     );
+    assert!(
+        env.iter().any(|e| e.name == "OPENAI_API_KEY"
+            && e.value.as_deref() == Some("tailwarden-injected-placeholder")),
+        "{env:?}"
+    );
     let volumes: Vec<String> = spec
         .volumes
         .unwrap()

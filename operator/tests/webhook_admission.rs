@@ -314,6 +314,12 @@ async fn injects_over_https_with_a_base64_json_patch_that_applies() {
     assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
     let env = spec.containers[0].env.as_ref().unwrap();
     assert_eq!(env[0].name, "OPENAI_BASE_URL");
+    // The SDKs refuse to start without a key; the sidecar supplies the real one.
+    assert_eq!(env[1].name, "OPENAI_API_KEY");
+    assert_eq!(
+        env[1].value.as_deref(),
+        Some("tailwarden-injected-placeholder")
+    );
     let volumes: Vec<String> = spec.volumes.unwrap().into_iter().map(|v| v.name).collect();
     assert_eq!(
         volumes,
