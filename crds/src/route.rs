@@ -64,7 +64,10 @@ use crate::units::{ByteSize, Decimal, DurationString};
     validation = Rule::new("self.hedging.delay == 'auto' || !self.hedging.delay.matches('^([0-9]+(\\\\.[0-9]+)?(ns|us|ms|s|m|h))+$') || duration(self.hedging.delay) < duration(self.timeouts.firstByte)").message("hedging.delay must be shorter than timeouts.firstByte, or the hedge can never start").field_path(".hedging.delay"),
     validation = Rule::new("!has(self.slo) || !has(self.slo.ttftP99) || duration(self.slo.ttftP99) <= duration(self.timeouts.firstByte)").message("slo.ttftP99 must not exceed timeouts.firstByte").field_path(".slo.ttftP99"),
     validation = Rule::new("!has(self.slo) || !has(self.slo.latencyP99) || duration(self.slo.latencyP99) <= duration(self.timeouts.total)").message("slo.latencyP99 must not exceed timeouts.total").field_path(".slo.latencyP99"),
-    validation = Rule::new("!has(self.cache) || !has(self.cache.semantic) || !has(self.cache.semantic.embeddingsProvider) || self.providers.exists(p, p.name == self.cache.semantic.embeddingsProvider)").message("cache.semantic.embeddingsProvider must be the name of one of this route's providers").field_path(".cache.semantic.embeddingsProvider")
+    validation = Rule::new("!has(self.cache) || !has(self.cache.semantic) || !has(self.cache.semantic.embeddingsProvider) || self.providers.exists(p, p.name == self.cache.semantic.embeddingsProvider)").message("cache.semantic.embeddingsProvider must be the name of one of this route's providers").field_path(".cache.semantic.embeddingsProvider"),
+    validation = Rule::new("!has(self.degradation) || !has(self.degradation.providers) || self.degradation.providers.all(n, self.providers.exists(p, p.name == n))").message("degradation.providers must name providers of this route").field_path(".degradation.providers"),
+    validation = Rule::new("!has(self.degradation) || '*' in self.models || self.degradation.model in self.models").message("degradation.model must be a model this route serves (listed in spec.models)").field_path(".degradation.model"),
+    validation = Rule::new("!has(self.degradation) || !has(self.degradation.sloBurn) || (has(self.slo) && (has(self.slo.ttftP99) || has(self.slo.latencyP99)))").message("degradation.sloBurn needs slo.ttftP99 or slo.latencyP99: it measures how fast the normal tier misses them").field_path(".degradation.sloBurn")
 )]
 pub struct InferenceRouteSpec {
     /// Client-facing model names this route serves: the `model` field of requests it takes.
@@ -93,6 +96,12 @@ pub struct InferenceRouteSpec {
     /// replaces this one for its requests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_budget: Option<ContextBudget>,
+
+    /// What the route degrades to when its normal tier cannot keep its objectives (a
+    /// smaller model, maybe on other providers), and when: the route moves Healthy →
+    /// Degraded → Recovering → Healthy with hysteresis. Unset: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degradation: Option<Degradation>,
 
     /// Per-phase deadlines for each request.
     #[serde(default)]
@@ -321,6 +330,81 @@ pub struct Tier {
     /// `rateLimit.priority`; a request's priority header still wins).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
+    /// Requests in this tier are never served by the route's `degradation` target (they
+    /// must have the normal model). Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub never_degrade: bool,
+}
+
+/// A route's degraded target and its triggers.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("duration(self.holdFor) >= duration('1s') && duration(self.recoverAfter) >= duration('1s')").message("holdFor and recoverAfter must be at least 1s").field_path(".holdFor"),
+    validation = Rule::new("self.probePercent <= 50").message("probePercent must be between 0 and 50").field_path(".probePercent"),
+    validation = Rule::new("has(self.sloBurn) || self.onUnavailable || self.manual").message("degradation needs a trigger: sloBurn, onUnavailable or manual").field_path(".sloBurn")
+)]
+pub struct Degradation {
+    /// The model degraded requests ask for: one of `spec.models`, mapped to each
+    /// provider's own name by its `modelMap`.
+    #[schemars(length(min = 1, max = 256))]
+    pub model: String,
+    /// The providers that serve the degraded target (names from `spec.providers`). When
+    /// they are some of the route's providers, those serve only degraded requests and the
+    /// others are the normal tier. Unset: every provider serves both.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub providers: Vec<String>,
+    /// Degrade when the normal tier misses `slo.ttftP99` / `slo.latencyP99` (failures
+    /// count as misses) faster than `burnRate` times the 1 % a P99 allows, over `window`.
+    /// Unset: the SLO is not a trigger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_burn: Option<SloBurn>,
+    /// Degrade when every provider of the normal tier is open or cooling down. Default
+    /// true.
+    #[serde(default = "defaults::yes")]
+    pub on_unavailable: bool,
+    /// The manual switch: degrade now, whatever the signals. Default false.
+    #[serde(default)]
+    pub manual: bool,
+    /// Shortest stay in Degraded before the route may start recovering. Default `30s`.
+    #[serde(default = "defaults::degrade_hold_for")]
+    pub hold_for: DurationString,
+    /// How long Recovering (the normal tier serving again, watched) must stay free of
+    /// triggers before the route is Healthy; a trigger meanwhile degrades it at once.
+    /// Default `30s`.
+    #[serde(default = "defaults::degrade_recover_after")]
+    pub recover_after: DurationString,
+    /// Percentage of requests still sent to the normal tier while degraded, so the
+    /// sidecar sees when it is well again. Default 5.
+    #[serde(default = "defaults::degrade_probe_percent")]
+    pub probe_percent: u32,
+    /// A request with this header (any value but `false` or `0`) is never served by the
+    /// degraded target. Default `x-tailwarden-no-degrade`.
+    #[serde(default = "defaults::degrade_opt_out_header")]
+    #[schemars(length(min = 1, max = 128))]
+    pub opt_out_header: String,
+}
+
+/// The SLO-burn trigger of a degradation.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("duration(self.window) >= duration('1s')").message("window must be at least 1s").field_path(".window"),
+    validation = Rule::new("self.minRequests >= 1").message("minRequests must be at least 1").field_path(".minRequests"),
+    validation = Rule::new("self.burnRate >= 1 && self.burnRate <= 100").message("burnRate must be between 1 and 100").field_path(".burnRate")
+)]
+pub struct SloBurn {
+    /// The span the normal tier's misses are counted over. Default `30s`.
+    #[serde(default = "defaults::slo_burn_window")]
+    pub window: DurationString,
+    /// Normal-tier requests needed in the window before it judges. Default 20.
+    #[serde(default = "defaults::min_requests")]
+    pub min_requests: u32,
+    /// Degrade at this multiple of the 1 % miss budget (10: a tenth of the requests miss);
+    /// recovery needs the rate under half of it. Default 10.
+    #[serde(default = "defaults::slo_burn_rate")]
+    pub burn_rate: u32,
 }
 
 /// A token budget for a chat's history (`messages` of `/v1/chat/completions`).
@@ -1267,6 +1351,24 @@ mod defaults {
     }
     pub fn half_open_probes() -> u32 {
         3
+    }
+    pub fn degrade_hold_for() -> DurationString {
+        DurationString::lit("30s")
+    }
+    pub fn degrade_recover_after() -> DurationString {
+        DurationString::lit("30s")
+    }
+    pub fn degrade_probe_percent() -> u32 {
+        5
+    }
+    pub fn degrade_opt_out_header() -> String {
+        "x-tailwarden-no-degrade".to_owned()
+    }
+    pub fn slo_burn_window() -> DurationString {
+        DurationString::lit("30s")
+    }
+    pub fn slo_burn_rate() -> u32 {
+        10
     }
     pub fn fallback_after_failures() -> u32 {
         3

@@ -897,6 +897,73 @@ fn invalid_routes_are_rejected_with_exact_messages() {
             "spec.streaming.fallback.probeAfter",
             "probeAfter must be between 1s and 1h",
         ),
+        (
+            "degradation to an unknown provider",
+            |d| {
+                set(
+                    d,
+                    "/spec/degradation",
+                    json!({"model": "gpt-4.1-mini", "providers": ["nobody"]}),
+                )
+            },
+            "spec.degradation.providers",
+            "degradation.providers must name providers of this route",
+        ),
+        (
+            "degradation to a model the route does not serve",
+            |d| set(d, "/spec/degradation", json!({"model": "gpt-3"})),
+            "spec.degradation.model",
+            "degradation.model must be a model this route serves (listed in spec.models)",
+        ),
+        (
+            "degradation on SLO burn without a P99 objective",
+            |d| {
+                set(d, "/spec/slo", json!({"availabilityPercent": "99.9"}));
+                set(
+                    d,
+                    "/spec/degradation",
+                    json!({"model": "gpt-4.1-mini", "sloBurn": {}}),
+                );
+            },
+            "spec.degradation.sloBurn",
+            "degradation.sloBurn needs slo.ttftP99 or slo.latencyP99: it measures how fast the normal tier misses them",
+        ),
+        (
+            "degradation without a trigger",
+            |d| {
+                set(
+                    d,
+                    "/spec/degradation",
+                    json!({"model": "gpt-4.1-mini", "onUnavailable": false}),
+                )
+            },
+            "spec.degradation.sloBurn",
+            "degradation needs a trigger: sloBurn, onUnavailable or manual",
+        ),
+        (
+            "degradation burn rate out of range",
+            |d| {
+                set(
+                    d,
+                    "/spec/degradation",
+                    json!({"model": "gpt-4.1-mini", "sloBurn": {"burnRate": 0}}),
+                )
+            },
+            "spec.degradation.sloBurn.burnRate",
+            "burnRate must be between 1 and 100",
+        ),
+        (
+            "degradation probes too many",
+            |d| {
+                set(
+                    d,
+                    "/spec/degradation",
+                    json!({"model": "gpt-4.1-mini", "probePercent": 60}),
+                )
+            },
+            "spec.degradation.probePercent",
+            "probePercent must be between 0 and 50",
+        ),
     ];
     assert!(cases.len() >= 25);
     let mut failures = Vec::new();

@@ -22,6 +22,7 @@
 //! | [`priority`] | who gets the next concurrency slot and who is shed (priorities, starvation bound) |
 //! | [`capabilities`] | which parameters a provider takes, drops or refuses |
 //! | [`schedule`] | the attempt scheduler: when to start, retry, hedge, wait or give up |
+//! | [`degrade`] | when a route serves its degraded target: SLO burn window, Healthy → Degraded → Recovering with hysteresis |
 //! | [`route`] | the route's providers as the scheduler sees them, and what attempts teach |
 //! | [`balance`] | which provider an attempt goes to (tiers, weights, P2C over peak-EWMA) |
 //! | [`breaker`] | whether a provider is in rotation (Closed → Open → HalfOpen) |
@@ -38,6 +39,7 @@ pub mod bucket;
 pub mod cache_key;
 pub mod capabilities;
 pub mod context;
+pub mod degrade;
 pub mod encoding;
 pub mod error;
 pub mod hedge;

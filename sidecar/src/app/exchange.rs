@@ -3,13 +3,17 @@
 //! decisions). Every later stage takes it whole instead of a long list of arguments; the
 //! parsed body travels beside it, borrowed from [`Exchange::raw_body`].
 
-use std::sync::Arc;
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
 
 use bytes::Bytes;
 use http::HeaderMap;
 use tailwarden_decide::{
     capabilities::Decision,
     context::ContextReport,
+    degrade::State,
     request::{Endpoint, RequestBody},
     tiers::CompiledTier,
 };
@@ -48,6 +52,23 @@ pub struct Exchange {
     pub context: Option<ContextReport>,
     /// The request's place in the concurrency queue (routes with `rateLimit.priority`).
     pub priority: Option<u8>,
+    /// Routes with a `degradation`: the route's state when the request came, and whether
+    /// the degraded target serves it.
+    pub degrade: Option<DegradeChoice>,
+}
+
+/// What the route's `degradation` made of a request.
+#[derive(Debug)]
+pub struct DegradeChoice {
+    /// The route's state when the request came.
+    pub state: State,
+    /// The degraded target serves it from the start.
+    pub served: bool,
+    /// The client or its tier opted out: never degraded.
+    pub opted_out: bool,
+    /// Degraded mid-request: a normal-tier attempt failed and the route degraded, so the
+    /// later attempts go to the degraded target (before any byte reached the client).
+    pub switched: AtomicBool,
 }
 
 /// A follow-up bound to the provider that owns its state.
@@ -76,10 +97,46 @@ impl Exchange {
         self.tier().map(|t| &*t.name)
     }
 
-    /// The client-facing model after tier choice.
+    /// The client-facing model after tier choice (and degradation).
     pub fn model<'a>(&'a self, body: &'a RequestBody<'_>) -> &'a str {
+        if self.degraded()
+            && let Some(d) = &self.route.degrade
+        {
+            return &d.model;
+        }
         self.tier()
             .map_or(body.model.as_ref(), |t| t.model.as_str())
+    }
+
+    /// Whether the route's degraded target serves the request.
+    pub fn degraded(&self) -> bool {
+        self.degrade
+            .as_ref()
+            .is_some_and(|d| d.served || d.switched.load(Ordering::Relaxed))
+    }
+
+    /// Whether the request was switched to the degraded target after a normal-tier attempt
+    /// (its cache key named the normal model, so its answer is not stored).
+    pub fn switched(&self) -> bool {
+        self.degrade
+            .as_ref()
+            .is_some_and(|d| d.switched.load(Ordering::Relaxed))
+    }
+
+    /// Whether provider `i` may serve the request: on a route whose degradation names
+    /// some of its providers, those serve the degraded requests and the others the rest.
+    pub fn may_use(&self, i: usize) -> bool {
+        match &self.route.degrade {
+            None => true,
+            Some(d) => {
+                let serves = if self.degraded() {
+                    &d.serves_degraded
+                } else {
+                    &d.serves_normal
+                };
+                serves.get(i).copied().unwrap_or(true)
+            }
+        }
     }
 
     /// Whether the sidecar asks providers for the stream's usage chunk on the client's

@@ -57,8 +57,6 @@ pub(crate) struct Call<'a> {
     pub ex: &'a Exchange,
     pub route: &'a Arc<Route>,
     pub body: &'a RequestBody<'a>,
-    /// The client-facing model after tier choice.
-    pub model: &'a str,
     /// The sidecar asks for the stream's usage chunk (and strips it).
     pub strip_usage: bool,
     /// `streaming.fallback`, when the route opts in and the request is a chat stream.
@@ -147,6 +145,12 @@ impl Fleet for RouteFleet<'_> {
 }
 
 impl Call<'_> {
+    /// The client-facing model after tier choice and degradation (a request switched to
+    /// the degraded target mid-way asks for its model from then on).
+    pub(crate) fn model(&self) -> &str {
+        self.ex.model(self.body)
+    }
+
     pub(crate) fn fleet(&self) -> RouteFleet<'_> {
         RouteFleet {
             route: self.route,
@@ -177,12 +181,10 @@ impl rand::RngCore for ThreadRandom {
 /// what the attempts did.
 pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
     let route = &ex.route;
-    let model = ex.model(body);
     let call = &Call {
         ex,
         route,
         body,
-        model,
         strip_usage: ex.strips_usage(body),
         fallback: route
             .settings
@@ -198,6 +200,7 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
         // capability rules that take the request.
         eligible: |i: usize| {
             call.ex.pinned.as_ref().is_none_or(|p| p.provider == i)
+                && call.ex.may_use(i)
                 && route.upstreams[i].usable()
                 && !matches!(call.ex.decisions.get(i), Some(Decision::Reject { .. }))
         },
@@ -324,6 +327,7 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
                         if failure.before_content {
                             fallback::stream_failed(call, idx);
                         }
+                        degrade_on_failure(call, &failure);
                         let reason = failure.kind.as_str();
                         let retry_after = schedule::honoured_retry_after(failure.retry_after, &route.settings.policy.cooldown);
                         let retry = schedule.on_failure_from(std_now(), failure.kind, idx, retry_after, &mut providers);
@@ -334,6 +338,29 @@ pub async fn run(ex: &Exchange, body: &RequestBody<'_>) -> Outcome {
             }
             () = tokio::time::sleep_until(wake) => {}
         }
+    }
+}
+
+/// A normal-tier attempt failed: a miss for the degradation's SLO window at once (not
+/// when the request ends, so a brownout is seen within one first-byte deadline), and if
+/// the route is degraded now, the request's later attempts go to the degraded target.
+fn degrade_on_failure(call: &Call<'_>, failure: &AttemptFailure) {
+    let (Some(d), Some(choice)) = (&call.route.degrade, &call.ex.degrade) else {
+        return;
+    };
+    if call.ex.degraded() || !failure.kind.counts_against_provider() {
+        return;
+    }
+    let now = std_now();
+    d.state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .record(now, false);
+    let state = call.route.degrade_state(&call.ex.app.metrics, now);
+    if state == Some(tailwarden_decide::degrade::State::Degraded) && !choice.opted_out {
+        choice
+            .switched
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

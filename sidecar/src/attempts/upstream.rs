@@ -111,7 +111,7 @@ fn attempt_span(call: &Call<'_>, idx: usize, slot: usize, hedge: bool) -> Span {
         &telemetry::AttemptInfo {
             operation: call.ex.endpoint.operation(),
             provider: &upstream.name,
-            provider_model: upstream.provider_model(call.model),
+            provider_model: upstream.provider_model(call.model()),
             authority: &upstream.authority,
             https: upstream.scheme == http::uri::Scheme::HTTPS,
             route: &call.route.name,
@@ -161,7 +161,7 @@ async fn attempt_inner(
     .map_err(|_| failure(timeout_kind, "all maxConnections slots stayed busy"))?
     .map_err(|_| failure(FailureKind::Connect, "connection pool closed"))?;
 
-    let provider_model = upstream.provider_model(call.model);
+    let provider_model = upstream.provider_model(call.model());
     let mode = super::fallback::mode(call, idx);
     // The usage request is the sidecar's own parameter: never sent to a provider whose
     // capability rules say it does not take `stream_options` (its usage is estimated).

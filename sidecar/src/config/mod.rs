@@ -10,18 +10,19 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
 use http::{HeaderName, HeaderValue, Uri};
-use tailwarden_crds::{InferenceRoute, InferenceRouteSpec, Provider, Tier};
+use tailwarden_crds::{Degradation, InferenceRoute, InferenceRouteSpec, Provider, Tier};
 
 use tailwarden_decide::{
     balance::{Balancer, EndpointSpec},
     breaker::CircuitBreaker,
     capabilities::CapabilityMap,
     context::ContextBudgets,
+    degrade::{DegradeSettings, Degrader, Signals, State},
     route::RoutePolicy,
     stream_fallback::FallbackSettings,
     tiers::{TierError, TierSet},
@@ -207,6 +208,80 @@ pub struct Route {
     pub has_capabilities: bool,
     /// The context budgets (`contextBudget` of the route and its tiers), tokenizers loaded.
     pub context: ContextBudgets,
+    /// The degraded target and its state machine (`degradation`).
+    pub degrade: Option<RouteDegrade>,
+}
+
+/// A route's `degradation`, compiled.
+pub struct RouteDegrade {
+    pub settings: DegradeSettings,
+    /// The client-facing model degraded requests ask for.
+    pub model: String,
+    /// Per provider (by index): whether it serves degraded requests, and normal ones.
+    pub serves_degraded: Vec<bool>,
+    pub serves_normal: Vec<bool>,
+    pub opt_out: HeaderName,
+    pub manual: bool,
+    /// The state machine, kept across reloads while `settings` hold.
+    pub state: Arc<Mutex<Degrader>>,
+}
+
+impl Route {
+    /// Whether every provider of the normal tier is out of rotation at `now`: no key,
+    /// cooling down after a 429/503, or its breaker open.
+    pub fn normal_tier_unavailable(&self, now: std::time::Instant) -> bool {
+        let Some(d) = &self.degrade else {
+            return false;
+        };
+        self.upstreams.iter().enumerate().all(|(i, u)| {
+            !d.serves_normal[i]
+                || !u.usable()
+                || self.balancer.cooling_until(i).is_some_and(|t| t > now)
+                || u.state
+                    .breaker
+                    .lock()
+                    .map(|b| !b.is_available(now))
+                    .unwrap_or(true)
+        })
+    }
+
+    /// The route's degradation state at `now` (the state machine moved on by the current
+    /// signals), its change logged and metered; `None` without a `degradation`.
+    pub fn degrade_state(&self, metrics: &Metrics, now: std::time::Instant) -> Option<State> {
+        let d = self.degrade.as_ref()?;
+        let signals = Signals {
+            unavailable: d.settings.on_unavailable && self.normal_tier_unavailable(now),
+            manual: d.manual,
+        };
+        let mut machine = d.state.lock().unwrap_or_else(|p| p.into_inner());
+        let change = machine.update(&d.settings, signals, now);
+        let state = machine.state();
+        drop(machine);
+        if let Some(c) = change {
+            let reason = c.reason.map_or("recovered", |r| r.as_str());
+            if c.to == State::Degraded {
+                tracing::warn!(route = %self.name, from = c.from.as_str(), reason, model = %d.model, "route degraded");
+            } else {
+                tracing::info!(route = %self.name, from = c.from.as_str(), to = c.to.as_str(), "route degradation state");
+            }
+            metrics
+                .route_state_transitions
+                .with_label_values(&[&*self.name, c.to.as_str(), reason])
+                .inc();
+            set_state_gauge(metrics, &self.name, state);
+        }
+        Some(state)
+    }
+}
+
+/// `tailwarden_route_state{route,state}`: 1 for the route's state, 0 for the others.
+pub fn set_state_gauge(metrics: &Metrics, route: &str, state: State) {
+    for s in [State::Healthy, State::Degraded, State::Recovering] {
+        metrics
+            .route_state
+            .with_label_values(&[route, s.as_str()])
+            .set(i64::from(s == state));
+    }
 }
 
 /// State that outlives a config: connection pools, rate limiters (buckets, queues, Redis
@@ -222,6 +297,8 @@ pub struct Registries {
     pub providers: Registry<ProviderKey, (), Arc<ProviderState>>,
     /// Retry and hedge budgets, per route.
     pub routes: Registry<Arc<str>, BudgetKey, Arc<RouteState>>,
+    /// Degradation state machines, per route.
+    pub degraders: Registry<Arc<str>, DegradeSettings, Arc<Mutex<Degrader>>>,
     /// Which provider created each Responses object (for every route).
     pub affinity: Arc<Affinity>,
 }
@@ -236,6 +313,7 @@ impl Registries {
             semantic: SemanticCaches::default(),
             providers: Registry::default(),
             routes: Registry::default(),
+            degraders: Registry::default(),
             affinity: Arc::default(),
         }
     }
@@ -328,6 +406,9 @@ impl RouteTable {
         registries.caches.retain(&names);
         registries.semantic.retain(&names);
         registries.routes.retain(|route| names.contains(&&**route));
+        registries
+            .degraders
+            .retain(|route| names.contains(&&**route));
         registries.providers.retain(|key| {
             table.routes.iter().any(|r| {
                 r.name == key.route
@@ -460,11 +541,48 @@ fn compile_route(
         semantic,
         has_capabilities,
         context: ContextBudgets::compile(spec),
+        degrade: spec
+            .degradation
+            .as_ref()
+            .map(|d| compile_degrade(&name, spec, d, registries)),
         name,
         spec: spec.clone(),
         settings,
         upstreams,
     })
+}
+
+fn compile_degrade(
+    name: &Arc<str>,
+    spec: &InferenceRouteSpec,
+    d: &Degradation,
+    registries: &Registries,
+) -> RouteDegrade {
+    let settings = DegradeSettings::from_spec(d);
+    let listed: Vec<bool> = spec
+        .providers
+        .iter()
+        .map(|p| d.providers.contains(&p.name))
+        .collect();
+    // Naming none or all of them: every provider serves both.
+    let split = listed.iter().any(|l| *l) && !listed.iter().all(|l| *l);
+    let state = registries.degraders.get_or_build(name, &settings, || {
+        Arc::new(Mutex::new(Degrader::new(
+            &settings,
+            std::time::Instant::now(),
+        )))
+    });
+    RouteDegrade {
+        settings,
+        model: d.model.clone(),
+        serves_degraded: listed.iter().map(|l| !split || *l).collect(),
+        serves_normal: listed.iter().map(|l| !split || !*l).collect(),
+        // The CRD caps the length; a name that is not a header name never matches.
+        opt_out: HeaderName::from_bytes(d.opt_out_header.to_ascii_lowercase().as_bytes())
+            .unwrap_or(HeaderName::from_static("x-tailwarden-no-degrade")),
+        manual: d.manual,
+        state,
+    }
 }
 
 fn settings(spec: &InferenceRouteSpec) -> Settings {

@@ -54,7 +54,13 @@ pub fn sample(m: &Metrics, table: &RouteTable) {
     m.cache_entries.reset();
     m.cache_bytes.reset();
     m.stream_fallback_active.reset();
+    m.route_state.reset();
+    let now = std::time::Instant::now();
     for route in &table.routes {
+        // The state machine moves on without requests too (a route recovers while idle).
+        if let Some(state) = route.degrade_state(m, now) {
+            crate::config::set_state_gauge(m, &route.name, state);
+        }
         if let Some(cache) = &route.cache {
             let (entries, weight) = cache.usage();
             m.cache_entries

@@ -97,6 +97,7 @@ async fn proxy(
         .tier_set
         .choose_for(&body, &headers)
         .and_then(|chosen| tiers.iter().position(|t| std::ptr::eq(t, chosen)));
+    let degrade = policy::degrade::choose(&app, &route, tier, &headers);
     let deadline = arrived + route.settings.total;
     let stream = endpoint.streams(&body);
     let mut ex = Exchange {
@@ -115,6 +116,7 @@ async fn proxy(
         pinned,
         context: None,
         priority: None,
+        degrade,
     };
     // The context budget first: every later stage sees the body as it will be sent.
     let raw_body = match policy::context::apply(&mut ex, &body) {

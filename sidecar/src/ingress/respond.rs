@@ -20,7 +20,7 @@ use crate::{
     config::Upstream,
     policy::{CacheAnswer, CacheState, Prepared},
     record::{
-        recorder::{Recorder, RequestInfo, SloTargets},
+        recorder::{DegradeSample, Recorder, RequestInfo, SloTargets},
         telemetry,
     },
     relay::{End, IntoResponse, Observer, ProxyBody, Relay, RelayParts},
@@ -32,6 +32,9 @@ use crate::{
         semantic,
     },
 };
+
+/// On routes with a `degradation`: `yes` when the degraded target served the request.
+pub const DEGRADED_HEADER: &str = "x-tailwarden-degraded";
 
 /// Marks a stream request answered by a plain call (`streaming.fallback`).
 pub const STREAM_FALLBACK_HEADER: &str = "x-tailwarden-stream-fallback";
@@ -68,6 +71,7 @@ fn request_info(ex: &Exchange, body: &RequestBody<'_>, status: u16) -> RequestIn
         context: ex.context,
         priority: ex.priority,
         stream_fallback: false,
+        degrade: degrade_sample(ex),
     }
 }
 
@@ -226,8 +230,10 @@ pub async fn attempted(
         semantic: semantic_miss,
     } = prepared;
     let route = &ex.route;
-    let model = ex.model(body);
     let outcome = attempts::run(ex, body).await;
+    // After the attempts: a request switched to the degraded target mid-way asks for its
+    // model.
+    let model = ex.model(body);
     let info = |status: u16,
                 upstream: Option<&Upstream>,
                 attempts: u32,
@@ -258,6 +264,7 @@ pub async fn attempted(
         context: ex.context,
         priority: ex.priority,
         stream_fallback: false,
+        degrade: degrade_sample(ex),
     };
     let mut response = match outcome {
         Outcome::Won(won) => {
@@ -275,14 +282,16 @@ pub async fn attempted(
             let mut recorder = Recorder::new(info);
             recorder.set_admission(admission);
             // One fill for the exact and the semantic cache, when either may store it.
+            // A request switched to the degraded target mid-way had its key made for the
+            // normal model: its answer is not stored under it.
             let exact = match (&cache, &route.cache) {
-                (CacheState::Miss(key), Some(store)) => {
+                (CacheState::Miss(key), Some(store)) if !ex.switched() => {
                     store.fill(key, won.status, &won.headers, ex.stream)
                 }
                 _ => None,
             };
             let semantic = match (&route.semantic, &semantic_miss) {
-                (Some(sc), Some((query, embedding))) => {
+                (Some(sc), Some((query, embedding))) if !ex.switched() => {
                     sc.fill(query, embedding, won.status, &won.headers)
                 }
                 _ => None,
@@ -413,6 +422,16 @@ pub async fn attempted(
     response
 }
 
+/// What a request of a route with a `degradation` reports to the recorder.
+fn degrade_sample(ex: &Exchange) -> Option<DegradeSample> {
+    let d = ex.degrade.as_ref()?;
+    Some(DegradeSample {
+        state: d.state,
+        served: ex.degraded(),
+        machine: ex.route.degrade.as_ref()?.state.clone(),
+    })
+}
+
 /// Headers every response of the request path carries.
 fn finish_headers(response: &mut Response<ProxyBody>, ex: &Exchange, cache: Option<&'static str>) {
     let headers = response.headers_mut();
@@ -424,6 +443,12 @@ fn finish_headers(response: &mut Response<ProxyBody>, ex: &Exchange, cache: Opti
     }
     if let Some(p) = ex.priority {
         headers.insert("x-tailwarden-priority", HeaderValue::from(u16::from(p)));
+    }
+    if ex.degrade.is_some() {
+        headers.insert(
+            DEGRADED_HEADER,
+            HeaderValue::from_static(if ex.degraded() { "yes" } else { "no" }),
+        );
     }
     if let Some(c) = &ex.context {
         headers.insert("x-tailwarden-context-tokens", HeaderValue::from(c.tokens));

@@ -20,6 +20,7 @@
 //! key, the admission estimate and the providers all see the trimmed body.
 
 pub mod context;
+pub mod degrade;
 
 use tailwarden_decide::{
     cache_key::{CacheKey, NotCacheable},

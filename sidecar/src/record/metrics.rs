@@ -129,6 +129,9 @@ pub struct Metrics {
     pub queue_wait: HistogramVec,
     pub queue_shed: IntCounterVec,
     pub stream_fallbacks: IntCounterVec,
+    pub route_state: IntGaugeVec,
+    pub route_state_transitions: IntCounterVec,
+    pub degraded_requests: IntCounterVec,
     pub stream_fallback_active: IntGaugeVec,
     /// By `reason` ([`crate::state::redis::BackendError::reason`]).
     pub limit_backend_errors: IntCounterVec,
@@ -347,6 +350,27 @@ impl Metrics {
                 ),
                 &["route", "priority", "reason"],
             )?,
+            route_state: IntGaugeVec::new(
+                Opts::new(
+                    "tailwarden_route_state",
+                    "The degradation state of routes with a degradation: 1 for the current state (healthy, degraded, recovering), 0 for the others.",
+                ),
+                &["route", "state"],
+            )?,
+            route_state_transitions: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_route_state_transitions_total",
+                    "Degradation state changes of routes, by the state entered and why (slo_burn, unavailable, manual; recovered for the way back).",
+                ),
+                &["route", "to", "reason"],
+            )?,
+            degraded_requests: IntCounterVec::new(
+                Opts::new(
+                    "tailwarden_degraded_requests_total",
+                    "Requests served by the route's degradation target (its degraded model and providers).",
+                ),
+                &["route"],
+            )?,
             stream_fallbacks: IntCounterVec::new(
                 Opts::new(
                     "tailwarden_stream_fallbacks_total",
@@ -492,6 +516,10 @@ impl Metrics {
         m.registry.register(Box::new(m.queue_wait.clone()))?;
         m.registry.register(Box::new(m.queue_shed.clone()))?;
         m.registry.register(Box::new(m.stream_fallbacks.clone()))?;
+        m.registry.register(Box::new(m.route_state.clone()))?;
+        m.registry
+            .register(Box::new(m.route_state_transitions.clone()))?;
+        m.registry.register(Box::new(m.degraded_requests.clone()))?;
         m.registry
             .register(Box::new(m.stream_fallback_active.clone()))?;
         m.registry

@@ -7,12 +7,20 @@
 //! (request bytes / 4 for input, content chunks for output) and marked as estimated.
 //! The same usage settles the request's token reservation with the rate limiter.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use rust_decimal::prelude::ToPrimitive;
 use tokio::time::Instant;
 
-use tailwarden_decide::{context::ContextReport, sse::SseEvent, usage::Price};
+use tailwarden_decide::{
+    context::ContextReport,
+    degrade::{Degrader, State},
+    sse::SseEvent,
+    usage::Price,
+};
 
 use super::{metrics::Metrics, telemetry};
 use crate::{
@@ -93,6 +101,17 @@ pub struct RequestInfo {
     pub priority: Option<u8>,
     /// A stream request answered by a plain call (`streaming.fallback`).
     pub stream_fallback: bool,
+    /// Routes with a `degradation`: the route's state, whether the degraded target served
+    /// the request, and the state machine a normal-tier request reports its SLO to.
+    pub degrade: Option<DegradeSample>,
+}
+
+/// What a request of a route with a `degradation` reports.
+#[derive(Debug, Clone)]
+pub struct DegradeSample {
+    pub state: State,
+    pub served: bool,
+    pub machine: Arc<Mutex<Degrader>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -330,6 +349,32 @@ impl Drop for Recorder {
         if !i.slo.is_empty() {
             self.judge_slo(class, total);
         }
+        if let Some(d) = &i.degrade
+            && d.served
+            && served_upstream
+        {
+            m.degraded_requests.with_label_values(&[&i.route]).inc();
+        }
+        // The normal tier's requests feed the degradation's SLO window: failures count as
+        // misses; the client's own errors and departures say nothing about the tier.
+        if let Some(d) = &i.degrade
+            && !d.served
+            && served_upstream
+            && i.attempts > 0
+            && !matches!(class, "client_closed" | "4xx")
+        {
+            let ttft_ok = match (i.slo.ttft, self.ttft) {
+                (Some(target), Some(ttft)) => ttft <= target,
+                _ => true,
+            };
+            let met = !matches!(class, "5xx" | "stream_error")
+                && ttft_ok
+                && i.slo.latency.is_none_or(|t| total <= t);
+            d.machine
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(std::time::Instant::now(), met);
+        }
         let error_type = match (self.outcome, &self.error_type) {
             (Outcome::InProgress, _) => Some("client_closed"),
             (_, Some(e)) => Some(e.as_str()),
@@ -391,6 +436,10 @@ impl Drop for Recorder {
             );
             l.opt_str("context_tokenizer", i.context.map(|c| c.tokenizer));
             l.opt_u64("priority", i.priority.map(u64::from));
+            if let Some(d) = &i.degrade {
+                l.bool("degraded", d.served);
+                l.str("route_state", d.state.as_str());
+            }
             if i.stream_fallback {
                 l.str("stream_fallback", "non-stream");
             }
