@@ -363,6 +363,30 @@ impl<'a> RequestBody<'a> {
     }
 }
 
+/// Output tokens assumed for a request that does not set `max_tokens`.
+pub const DEFAULT_OUTPUT_ESTIMATE: u64 = 1000;
+
+/// Tokens a request is expected to use: its prompt (the bytes of `messages`, `prompt`,
+/// `input` and `tools` / 4 — JSON syntax makes this a slight overestimate, and no message
+/// parsing is needed) plus `max_completion_tokens` or `max_tokens` (else
+/// [`DEFAULT_OUTPUT_ESTIMATE`]) times `n`.
+pub fn estimate_tokens(body: &RequestBody<'_>) -> u64 {
+    let prompt_bytes: usize = ["messages", "prompt", "input", "tools"]
+        .iter()
+        .filter_map(|m| body.member(m))
+        .map(|raw| raw.get().len())
+        .sum();
+    let number = |name: &str| {
+        body.member(name)
+            .and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok())
+    };
+    let output = number("max_completion_tokens")
+        .or_else(|| number("max_tokens"))
+        .unwrap_or(DEFAULT_OUTPUT_ESTIMATE);
+    let choices = number("n").unwrap_or(1).clamp(1, 128);
+    (prompt_bytes as u64 / 4).saturating_add(output.saturating_mul(choices))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@
 //! Asserted for every input:
 //! - `RequestBody::parse` returns a body or a 400 `ApiError`; it never panics.
 //! - For a body that parses: `estimate_tokens`, the tier choice (`TierSet::choose_for`), the
-//!   capability decision and the exact-cache key (`ExactCache::key`) never panic, and a
+//!   capability decision and the exact-cache key (`cache_key::key`) never panic, and a
 //!   header-only tier is chosen whenever its header is sent.
 //! - Every rewritten body is valid JSON that parses again, with the new model, the same
 //!   `stream`, the usage request when the sidecar added it, every other member's raw text
@@ -16,20 +16,17 @@
 
 #![no_main]
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
 use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 use serde::de::IgnoredAny;
 use tailwarden_crds::{CapabilityRule, Tier};
 use tailwarden_decide::{
+    cache_key::{self, CacheKey, KeyScope, NotCacheable},
     capabilities::{CapabilityMap, Decision},
-    request::RequestBody,
+    request::{RequestBody, estimate_tokens},
     tiers::TierSet,
-};
-use tailwarden_sidecar::state::{
-    exact::{CacheSettings, ExactCache},
-    limits::estimate_tokens,
 };
 
 /// Provider models the rewrite is asked for; `None` keeps the client's model (no model
@@ -65,14 +62,23 @@ static CAPABILITIES: LazyLock<CapabilityMap> = LazyLock::new(|| {
     CapabilityMap::new(&rules)
 });
 
-/// A cache that keys every request (not only deterministic ones), shared by all tenants.
-static CACHE: LazyLock<Arc<ExactCache>> = LazyLock::new(|| {
-    let spec: tailwarden_crds::ExactCache = serde_json::from_value(serde_json::json!(
-        {"enabled": true, "scope": "shared", "deterministicOnly": false, "maxEntries": 16, "maxBytes": "1Mi"}
-    ))
-    .expect("the fixed cache spec deserialises");
-    ExactCache::new("fuzz/route", CacheSettings::from_spec(&spec, None))
-});
+/// The key a cache that keys every request (not only deterministic ones), shared by all
+/// tenants, gives a body: what the sidecar's `ExactCache::key` computes for such a route.
+fn cache_key(
+    body: &RequestBody<'_>,
+    endpoint: &str,
+    model: &str,
+    headers: &HeaderMap,
+) -> Result<CacheKey, NotCacheable> {
+    let scope = KeyScope {
+        route: "fuzz/route",
+        tenant: b"",
+        endpoint,
+        model,
+        deterministic_only: false,
+    };
+    cache_key::key(&scope, body, headers)
+}
 
 fuzz_target!(|data: &[u8]| {
     let Ok(body) = RequestBody::parse(data) else {
@@ -101,7 +107,7 @@ fuzz_target!(|data: &[u8]| {
         "/embeddings"
     };
     let model = chosen.as_deref().unwrap_or(&body.model);
-    let key = CACHE.key(&body, endpoint, model, &no_headers);
+    let key = cache_key(&body, endpoint, model, &no_headers);
 
     let add_usage = data.len() & 1 == 1;
     let new_model = MODELS[(data.len() >> 1) % MODELS.len()].unwrap_or(&body.model);
@@ -178,7 +184,7 @@ fuzz_target!(|data: &[u8]| {
             // The cache keys the model separately from the body, so a body whose only change
             // is its model member has the same key.
             assert_eq!(
-                CACHE.key(&again, endpoint, model, &no_headers),
+                cache_key(&again, endpoint, model, &no_headers),
                 key,
                 "same cache key"
             );
