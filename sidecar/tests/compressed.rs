@@ -11,8 +11,6 @@ use std::{io::Write, time::Instant};
 
 use bytes::Bytes;
 use common::*;
-use http::Request;
-use http_body_util::BodyExt;
 
 const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
 
@@ -43,23 +41,13 @@ fn encode(coding: &str, data: &[u8]) -> Vec<u8> {
 }
 
 async fn post_encoded(sc: &Sidecar, path: &str, encoding: &str, body: Vec<u8>) -> Reply {
-    let req = Request::post(sc.url(path))
-        .header("content-type", "application/json")
-        .header("content-encoding", encoding)
-        .body(http_body_util::Full::new(Bytes::from(body)))
-        .unwrap();
-    let resp = client().request(req).await.expect("sidecar answers");
-    let (parts, body) = resp.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    Reply {
-        status: parts.status.as_u16(),
-        headers: parts.headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
+    post_with(
+        sc,
+        path,
+        &[("content-encoding", encoding)],
+        Bytes::from(body),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

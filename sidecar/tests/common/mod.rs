@@ -432,10 +432,16 @@ impl Reply {
 }
 
 pub async fn post(sc: &Sidecar, path: &str, body: &str) -> Reply {
-    let req = Request::post(sc.url(path))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(Bytes::from(body.to_owned())))
-        .unwrap();
+    post_with(sc, path, &[], Bytes::from(body.to_owned())).await
+}
+
+/// [`post`] of raw bytes, with extra request headers (a `content-encoding`, say).
+pub async fn post_with(sc: &Sidecar, path: &str, headers: &[(&str, &str)], body: Bytes) -> Reply {
+    let mut req = Request::post(sc.url(path)).header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(http_body_util::Full::new(body)).unwrap();
     let resp = client().request(req).await.expect("sidecar answers");
     let (parts, body) = resp.into_parts();
     let body = body
